@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# The CPU wheel of torch lies on the CI disk; naming the version stops pip from fetching a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.8.0
+HF_SPEC ?= transformers==5.17.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(HF_SPEC)" numpy pytest
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
+
+test-gpu:
+	PYTHONPATH=src python3 -m pytest -q -m gpu tests
+
+demo: $(VENV)/.installed
+	$(VPY) -m transfuse demo
+
+bench:
+	PYTHONPATH=src python3 -m transfuse.bench
+
+.PHONY: venv test test-gpu demo bench

@@ -1,0 +1,5 @@
+"""torch.library custom ops in the `transfuse` namespace: schema, fake implementation, autograd.
+
+Importing this package registers every op (torch.ops.transfuse.*)."""
+
+from transfuse.ops import attention, gemm, norm  # noqa: F401  (registers the ops)

@@ -1,0 +1,1 @@
+"""Plain-PyTorch versions of every transfuse op: the oracle the tests compare kernels against."""
