@@ -1,0 +1,104 @@
+"""The Dynamo backend: runs the passes on each captured graph and hands it to the runtime.
+
+`torch.compile(model, backend="transfuse")` reaches `transfuse_backend` (registered on import and as a
+`torch_dynamo_backends` entry point); `transfuse.optimize()` builds a `Backend` bound to the model's
+state so that `transfuse.report(model)` can show what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
+from transfuse.kernels._config import INTERPRET
+from transfuse.passes.graph import arg, kind, scalar, static_inputs
+from transfuse.passes.manager import PassContext, run_passes
+from transfuse.report import GraphRecord, compute_flops
+from transfuse.runtime.cuda_graphs import CudaGraphRunner, GraphPool
+from transfuse.runtime.weights import MergedWeights
+
+log = logging.getLogger("transfuse")
+
+
+class TransfuseError(RuntimeError):
+    """Bad input: the message is one line and names the fix."""
+
+
+class Backend:
+    """A Dynamo backend bound to one optimized model's options and records."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.records: list[GraphRecord] = []
+        self.pool = GraphPool()
+        self.merged: list[MergedWeights] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        _check_inputs(gm, example_inputs)
+        flops_before = compute_flops(gm)
+        ctx = PassContext(gm=gm, example_inputs=list(example_inputs), options=self.options)
+        run_passes(ctx, disabled=frozenset(self.options.get("disable", ())))
+        merged = MergedWeights(ctx.merged_weights)
+        self.merged.append(merged)
+        static = sorted(static_inputs(gm).values())
+        use_graphs = self.options.get("cuda_graphs", True) and _on_cuda(example_inputs) and _graph_safe(gm, example_inputs)
+        runner = CudaGraphRunner(gm, static, self.pool) if use_graphs else gm
+        record = GraphRecord(
+            rewrites=dict(ctx.rewrites),
+            rejections=list(ctx.rejections),
+            flops_total=flops_before,
+            flops_transfuse=compute_flops(gm, transfuse_only=True),
+            cuda_graphs=use_graphs,
+            nodes=len(gm.graph.nodes),
+        )
+        self.records.append(record)
+        log.info("transfuse: %s", record.summary())
+        ctx.example_inputs.clear()  # drop references to the real tensors
+
+        def compiled(*args):
+            if merged.groups:
+                merged.refresh()
+            with torch.no_grad():
+                return runner(*args)
+
+        return compiled
+
+
+def transfuse_backend(gm: fx.GraphModule, example_inputs: list, **options):
+    """Entry for `torch.compile(model, backend="transfuse")`."""
+    return Backend(**options)(gm, example_inputs)
+
+
+def _on_cuda(example_inputs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def _graph_safe(gm: fx.GraphModule, example_inputs) -> bool:
+    """CUDA graphs need every tensor on the GPU (a CPU tensor input means a host copy at capture)."""
+    return all(not isinstance(t, torch.Tensor) or t.is_cuda for t in example_inputs)
+
+
+def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if any(t.is_cuda for t in tensors):
+        device = next(t.device for t in tensors if t.is_cuda)
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise TransfuseError(
+                f"transfuse needs a GPU of compute capability 8.0 or newer (this one is {major}.{minor}); "
+                "run the model without transfuse on it"
+            )
+    elif tensors and not INTERPRET:
+        raise TransfuseError(
+            "transfuse: the model is on the CPU; move it to a CUDA GPU (model.cuda()), or set "
+            "TRITON_INTERPRET=1 before importing transfuse to run the kernels through Triton's interpreter"
+        )
+    for node in gm.graph.nodes:
+        if kind(node) == "dropout" and arg(node, 2, "training", True) is True and scalar(arg(node, 1, "p", 0.5)) != 0.0:
+            raise TransfuseError("transfuse: the model is in training mode; call model.eval() first (training is not supported yet)")
+
+
+torch._dynamo.register_backend(transfuse_backend, name="transfuse")

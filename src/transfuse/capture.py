@@ -1,0 +1,104 @@
+"""`optimize()` and `restore()`: the user-facing capture of a model with TorchDynamo."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from transfuse.backend import Backend, TransfuseError
+from transfuse.kernels._config import INTERPRET
+from transfuse.report import format_report
+
+log = logging.getLogger("transfuse")
+_STATE = "_transfuse_state"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _State:
+    def __init__(self, backend: Backend, original_forward, compiled_forward):
+        self.backend = backend
+        self.original_forward = original_forward
+        self.compiled_forward = compiled_forward
+        self.graph_breaks_at_start = _graph_breaks()
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TransfuseError(f"transfuse.optimize expects a torch.nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise TransfuseError("transfuse.optimize: the model is in training mode; call model.eval() first (training is not supported yet)")
+    tensors = list(model.parameters()) + list(model.buffers())
+    devices = {t.device.type for t in tensors}
+    if "cuda" in devices:
+        device = next(t.device for t in tensors if t.is_cuda)
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise TransfuseError(
+                f"transfuse needs a GPU of compute capability 8.0 or newer (this one is {major}.{minor}); "
+                "run the model without transfuse"
+            )
+    elif tensors and not INTERPRET:
+        raise TransfuseError(
+            "transfuse.optimize: the model is on the CPU; move it to a CUDA GPU (model.cuda()), or set "
+            "TRITON_INTERPRET=1 before importing transfuse to run the kernels through Triton's interpreter"
+        )
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    unsupported = dtypes - set(SUPPORTED_DTYPES)
+    if unsupported:
+        raise TransfuseError(
+            f"transfuse.optimize: parameters of dtype {sorted(map(str, unsupported))} are not supported; "
+            "convert the model with model.half(), model.bfloat16() or model.float()"
+        )
+
+
+def optimize(model: torch.nn.Module, *, cuda_graphs: bool = True, disable: tuple[str, ...] = (), **options) -> torch.nn.Module:
+    """Optimize `model` in place and return it: its forward is captured by TorchDynamo and rewritten
+    to transfuse kernels on its first call (and on each new input shape).
+
+    cuda_graphs: replay each input shape as one CUDA graph (GPU only).
+    disable: names of passes to skip (see transfuse.passes.manager.registry()).
+    """
+    _check_model(model)
+    if hasattr(model, _STATE):
+        return model
+    backend = Backend(cuda_graphs=cuda_graphs, disable=tuple(disable), **options)
+    original = model.forward
+    # Until shapes are dynamic (bucketed runtime), each new shape recompiles: raise Dynamo's limit so
+    # that a model seeing many shapes never drops to eager silently.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 256:
+            setattr(torch._dynamo.config, name, 256)
+    compiled = torch.compile(original, backend=backend, dynamic=False)
+    model.forward = compiled
+    setattr(model, _STATE, _State(backend, original, compiled))
+    return model
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo optimize(): the original forward, every parameter in its own storage again."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    for merged in state.backend.merged:
+        merged.unmerge()
+    if model.__dict__.get("forward") is state.compiled_forward:
+        del model.__dict__["forward"]
+    delattr(model, _STATE)
+    return model
+
+
+def report(model: torch.nn.Module) -> str:
+    """What transfuse rewrote in `model`, what it left alone and why."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return "transfuse: this model was not optimized (call transfuse.optimize(model))"
+    text = format_report(state.backend.records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start)
+    log.info(text)
+    return text

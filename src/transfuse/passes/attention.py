@@ -1,0 +1,317 @@
+"""Attention, matched by meaning, to `torch.ops.transfuse.attention`.
+
+Two source idioms:
+
+* `TorchSDPA` — `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p=0, is_causal, scale,
+  enable_gqa)`, as Hugging Face's "sdpa" attention and most modern code calls it.
+* `ManualAttention` — the hand-written form: `softmax(scale * (q @ k^T) + mask) @ v`, as written by
+  Hugging Face's "eager" attention (`eager_attention_forward` in
+  transformers/models/bert/modeling_bert.py and its copies) and by nanoGPT
+  (`att.masked_fill(bias == 0, -inf)`). Any number of scalar multiplications/divisions (the scale,
+  whatever its value or spelling), additive masks of any broadcastable shape, a boolean mask applied
+  with `masked_fill(-inf)` or `torch.where`, dtype casts around the softmax; no literal constant
+  is ever compared against.
+
+A mask shared by several layers gets one block summary (`attention_mask_summary`) per forward,
+inserted once next to the mask and reused by every attention that reads it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from transfuse.passes.graph import (
+    arg,
+    dtype,
+    is_last_two_transpose,
+    is_tensor,
+    kind,
+    scalar,
+    shape,
+    single_user,
+    tensor_meta,
+)
+from transfuse.passes.manager import PassContext
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SDPA = "TorchSDPA"
+MANUAL = "ManualAttention"
+
+
+class Reject(Exception):
+    """A candidate that is left as it was; the message is the reason shown in the report."""
+
+
+def run(ctx: PassContext) -> None:
+    summaries: dict[tuple, fx.Node] = {}
+    for node in list(ctx.gm.graph.nodes):
+        k = kind(node)
+        if k == "sdpa":
+            pattern, matcher = SDPA, _match_sdpa
+        elif k == "softmax":
+            pattern, matcher = MANUAL, _match_manual
+        else:
+            continue
+        try:
+            spec = matcher(node)
+            _check_operands(spec)
+        except Reject as reason:
+            ctx.reject(pattern, node, str(reason))
+            continue
+        _replace(ctx, spec, summaries)
+        ctx.matched(pattern)
+
+
+# --------------------------------------------------------------------------------------------
+# Matching: each matcher returns a spec dict or raises Reject.
+
+
+def _match_sdpa(node: fx.Node) -> dict:
+    q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
+    mask = arg(node, 3, "attn_mask")
+    dropout_p = scalar(arg(node, 4, "dropout_p", 0.0))
+    is_causal = arg(node, 5, "is_causal", False)
+    scale = arg(node, 6, "scale", None)
+    enable_gqa = arg(node, 7, "enable_gqa", False)
+    if dropout_p != 0.0:
+        raise Reject(f"dropout_p={arg(node, 4, 'dropout_p')} (only inference attention is fused)")
+    if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        raise Reject("is_causal / enable_gqa are not compile-time constants")
+    if scale is not None and scalar(scale) is None:
+        raise Reject("scale is not a compile-time constant")
+    head_dim = shape(q)[-1] if shape(q) else None
+    if head_dim is None:
+        raise Reject("query has no static shape")
+    if mask is not None and not is_tensor(mask):
+        raise Reject("attn_mask is not a tensor")
+    if not enable_gqa and shape(q)[:-3] + shape(q)[-3:-2] != shape(k)[:-3] + shape(k)[-3:-2]:
+        raise Reject("query and key head counts differ without enable_gqa")
+    return dict(
+        out=node, q=q, k=k, v=v, k_transposed=False, masks=[mask] if mask is not None else [],
+        bool_masks=[], scale=1.0 / math.sqrt(head_dim) if scale is None else scalar(scale),
+        is_causal=is_causal, masked_rows_zero=True, chain=[],
+    )
+
+
+def _leads_to_scores(node, depth: int = 12) -> bool:
+    """Whether `node` is the score chain: reaches a matmul through casts/scales/masks."""
+    while depth > 0 and isinstance(node, fx.Node):
+        k = kind(node)
+        if k == "matmul":
+            return True
+        if k not in ("to", "mul", "div", "add", "sub", "masked_fill", "where"):
+            return False
+        nxt = [a for a in node.args if isinstance(a, fx.Node) and is_tensor(a)]
+        if k == "where":
+            nxt = nxt[1:]
+        return any(_leads_to_scores(a, depth - 1) for a in nxt)
+    return False
+
+
+def _match_manual(softmax: fx.Node) -> dict:
+    scores_shape = shape(softmax)
+    if scores_shape is None or len(scores_shape) not in (3, 4):
+        raise Reject("softmax input is not a 3-D or 4-D score tensor")
+    dim = arg(softmax, 1, "dim")
+    if dim is None or dim % len(scores_shape) != len(scores_shape) - 1:
+        raise Reject(f"softmax over dim {dim}, not the key dimension")
+
+    # Forward: casts, then `probs @ v`.
+    chain = [softmax]
+    cur = softmax
+    while (user := single_user(cur)) is not None and kind(user) == "to":
+        chain.append(user)
+        cur = user
+    pv = single_user(cur)
+    if pv is None or kind(pv) != "matmul" or pv.args[0] is not cur:
+        raise Reject("softmax output is not (only) multiplied by a value tensor")
+    v = pv.args[1]
+
+    # Backward from the softmax input: casts, scalar scales, masks, down to `q @ k^T`.
+    scale = 1.0
+    masks: list = []
+    bool_masks: list = []
+    x = arg(softmax, 0, "input")
+    while True:
+        if not isinstance(x, fx.Node):
+            raise Reject("softmax input is not a graph value")
+        k = kind(x)
+        if len(x.users) != 1:
+            raise Reject(f"intermediate score tensor '{x.name}' has other users")
+        chain.append(x)
+        if k == "matmul":
+            qk = x
+            break
+        if k == "to":
+            x = x.args[0]
+        elif k in ("mul", "div"):
+            a, b = x.args[0], x.args[1]
+            if scalar(b) is not None and is_tensor(a):
+                c, x = scalar(b), a
+            elif k == "mul" and scalar(a) is not None and is_tensor(b):
+                c, x = scalar(a), b
+            else:
+                raise Reject(f"'{x.name}' multiplies the scores by a tensor, not a constant scale")
+            scale = scale * c if k == "mul" else scale / c
+        elif k in ("add", "sub"):
+            if arg(x, 2, "alpha", 1) != 1:
+                raise Reject("add with alpha")
+            a, b = x.args[0], x.args[1]
+            if not is_tensor(b) and scalar(b) is not None:
+                x = a  # a constant shift of every score leaves softmax unchanged
+                continue
+            if k == "sub":
+                raise Reject("a tensor subtracted from the scores")
+            if _leads_to_scores(a):
+                x, term = a, b
+            elif _leads_to_scores(b):
+                x, term = b, a
+            else:
+                raise Reject(f"'{x.name}': neither addend leads to q @ k^T")
+            masks.append(term)
+        elif k == "masked_fill":
+            fill = scalar(arg(x, 2, "value"))
+            if fill != float("-inf"):
+                raise Reject(f"masked_fill with {fill}: only -inf excludes keys exactly")
+            bool_masks.append(("fill", arg(x, 1, "mask")))
+            x = x.args[0]
+        elif k == "where":
+            cond, a, b = x.args[0], x.args[1], x.args[2]
+            if scalar(b) == float("-inf") and is_tensor(a):
+                bool_masks.append(("keep", cond))
+                x = a
+            elif scalar(a) == float("-inf") and is_tensor(b):
+                bool_masks.append(("fill", cond))
+                x = b
+            else:
+                raise Reject("torch.where on the scores that is not a -inf mask")
+        else:
+            raise Reject(f"'{x.name}' ({x.target}) between q @ k^T and softmax is not a scale, mask or cast")
+
+    q, kt = qk.args[0], qk.args[1]
+    if not isinstance(kt, fx.Node):
+        raise Reject("keys are not a graph value")
+    if len(masks) > 0 and len(bool_masks) > 0:
+        raise Reject("both an additive and a boolean mask")
+    if len(bool_masks) > 1:
+        raise Reject("more than one boolean mask")
+    return dict(
+        out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
+        is_causal=False, masked_rows_zero=False, chain=chain,
+    )
+
+
+def _check_operands(spec: dict) -> None:
+    q, k, v = (tensor_meta(spec[n]) for n in ("q", "k", "v"))
+    if q is None or k is None or v is None:
+        raise Reject("q, k or v has no recorded tensor value")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise Reject(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise Reject(f"dtype {q.dtype} is not supported")
+    if q.dim() != k.dim() or q.dim() not in (3, 4) or v.dim() != q.dim():
+        raise Reject("q, k, v are not all 3-D or 4-D")
+    k_shape = tuple(k.shape)
+    if spec["k_transposed"]:
+        k_shape = k_shape[:-2] + (k_shape[-1], k_shape[-2])
+    if q.shape[-1] != k_shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise Reject(f"head dims differ (q {q.shape[-1]}, k {k_shape[-1]}, v {v.shape[-1]})")
+    if k_shape[-2] != v.shape[-2]:
+        raise Reject("key and value lengths differ")
+    if q.shape[0] != k_shape[0] or q.shape[0] != v.shape[0]:
+        raise Reject("batch sizes of q, k, v differ (broadcast matmul)")
+    if q.dim() == 4:
+        hq, hk = q.shape[1], k_shape[1]
+        if hk != v.shape[1] or hq % hk != 0:
+            raise Reject(f"{hq} query heads cannot share {hk} key/value heads")
+        if spec["k_transposed"] and hq != hk:
+            raise Reject("broadcast over heads in a hand-written matmul")
+    for m in spec["masks"] + [b for _, b in spec["bool_masks"]]:
+        mt = tensor_meta(m)
+        if mt is None:
+            raise Reject("mask is not a tensor")
+        if mt.dim() > q.dim():
+            raise Reject(f"mask has {mt.dim()} dims for {q.dim()}-D scores")
+        scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
+        try:
+            torch.broadcast_shapes(tuple(mt.shape), scores)
+        except RuntimeError as e:
+            raise Reject(f"mask shape {tuple(mt.shape)} does not broadcast to the scores") from e
+        if torch.broadcast_shapes(tuple(mt.shape), scores) != scores:
+            raise Reject("mask broadcasts the scores to a larger shape")
+        if mt.dtype != torch.bool and not mt.dtype.is_floating_point:
+            raise Reject(f"mask dtype {mt.dtype}")
+
+
+# --------------------------------------------------------------------------------------------
+# Rewriting.
+
+
+def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
+    graph = ctx.gm.graph
+    out: fx.Node = spec["out"]
+    q_meta = tensor_meta(spec["q"])
+    three_d = q_meta.dim() == 3
+    with graph.inserting_before(out):
+        q, k, v = spec["q"], spec["k"], spec["v"]
+        if spec["k_transposed"]:
+            # `q @ k.transpose(-2, -1)`: read k itself; anything else: a transposed view of it.
+            k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
+        if three_d:  # (batch*heads, seq, dim) -> (batch*heads, 1, seq, dim)
+            q, k, v = (_view(graph, t, "unsqueeze", 1) for t in (q, k, v))
+        mask = _combined_mask(graph, spec)
+        if mask is not None and three_d and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
+            mask = _view(graph, mask, "unsqueeze", 1)
+    summary = None
+    if mask is not None:
+        seq_q, seq_k = q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2]
+        key = (mask, seq_q, seq_k)
+        summary = summaries.get(key)
+        if summary is None:
+            with graph.inserting_after(mask):
+                summary = graph.call_function(
+                    torch.ops.transfuse.attention_mask_summary.default, (mask, seq_q, seq_k)
+                )
+            summaries[key] = summary
+    with graph.inserting_before(out):
+        new = graph.call_function(
+            torch.ops.transfuse.attention.default,
+            (q, k, v, mask, summary, float(spec["scale"]), spec["is_causal"], spec["masked_rows_zero"]),
+        )
+        new.meta["example_value"] = out.meta.get("example_value")
+        if three_d:
+            new = graph.call_method("squeeze", (new, 1))
+            new.meta["example_value"] = out.meta.get("example_value")
+    out.replace_all_uses_with(new)
+    graph.erase_node(out)
+
+
+def _view(graph: fx.Graph, node: fx.Node, method: str, *args) -> fx.Node:
+    """A view node with its recorded value, so later passes and the report can read its shape."""
+    view = graph.call_method(method, (node,) + args)
+    meta = tensor_meta(node)
+    if meta is not None:
+        view.meta["example_value"] = getattr(meta, method)(*args)
+    return view
+
+
+def _combined_mask(graph: fx.Graph, spec: dict) -> fx.Node | None:
+    if spec["bool_masks"]:
+        how, cond = spec["bool_masks"][0]
+        if how == "keep":
+            return cond
+        node = graph.call_function(torch.logical_not, (cond,))
+        node.meta["example_value"] = tensor_meta(cond)
+        return node
+    masks = spec["masks"]
+    if not masks:
+        return None
+    mask = masks[0]
+    for extra in masks[1:]:
+        mask = graph.call_function(torch.add, (mask, extra))
+        # Only the rank matters to later code; the summed shape is their broadcast.
+        mask.meta["example_value"] = tensor_meta(extra)
+    return mask

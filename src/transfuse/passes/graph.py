@@ -1,0 +1,220 @@
+"""Reading a Dynamo FX graph by meaning.
+
+Dynamo hands the backend a graph of torch-level calls: the same operation can appear as a function
+(`torch.matmul`), an operator (`a @ b`), or a tensor method (`x.matmul(y)`), with arguments
+positional or by keyword. The passes never look at those spellings directly: `kind(node)` names the
+operation and `arg(node, i, name)` fetches an argument however it was passed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# One canonical name per operation; every spelling Dynamo can produce maps to it.
+_FUNCTIONS: dict[Any, str] = {
+    F.linear: "linear",
+    torch.matmul: "matmul",
+    operator.matmul: "matmul",
+    torch.bmm: "matmul",
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    torch.nn.functional.dropout: "dropout",
+    torch.dropout: "dropout",
+    F.layer_norm: "layer_norm",
+    torch.layer_norm: "layer_norm",
+    F.scaled_dot_product_attention: "sdpa",
+    operator.add: "add",
+    torch.add: "add",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    operator.neg: "neg",
+    torch.neg: "neg",
+    operator.pow: "pow",
+    torch.pow: "pow",
+    F.gelu: "gelu",
+    F.relu: "relu",
+    torch.relu: "relu",
+    F.silu: "silu",
+    torch.tanh: "tanh",
+    F.tanh: "tanh",
+    torch.sigmoid: "sigmoid",
+    F.sigmoid: "sigmoid",
+    torch.erf: "erf",
+    torch.exp: "exp",
+    torch.sqrt: "sqrt",
+    torch.rsqrt: "rsqrt",
+    torch.masked_fill: "masked_fill",
+    torch.where: "where",
+    torch.transpose: "transpose",
+    torch.permute: "permute",
+    torch.reshape: "reshape",
+    torch.abs: "abs",
+}
+if hasattr(torch._C._nn, "gelu"):
+    _FUNCTIONS[torch._C._nn.gelu] = "gelu"
+
+_METHODS = {
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "softmax": "softmax",
+    "add": "add",
+    "mul": "mul",
+    "div": "div",
+    "sub": "sub",
+    "neg": "neg",
+    "pow": "pow",
+    "relu": "relu",
+    "tanh": "tanh",
+    "sigmoid": "sigmoid",
+    "exp": "exp",
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "masked_fill": "masked_fill",
+    "transpose": "transpose",
+    "permute": "permute",
+    "view": "view",
+    "reshape": "reshape",
+    "contiguous": "contiguous",
+    "to": "to",
+    "type": "to",
+    "float": "to",
+    "half": "to",
+    "bfloat16": "to",
+    "type_as": "to",
+}
+
+# Element-wise operations: a chain of these after a GEMM is an activation candidate.
+POINTWISE = {
+    "add", "mul", "div", "sub", "neg", "pow", "gelu", "relu", "silu", "tanh", "sigmoid", "erf",
+    "exp", "sqrt", "rsqrt", "to", "abs",
+}
+
+
+def kind(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument `index` (counting the tensor `self` of a method as 0) or keyword `name`."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if index < len(node.args):
+        return node.args[index]
+    return default
+
+
+def value(node: Any) -> Any:
+    """The fake tensor (or Python value) Dynamo recorded for a node; constants pass through."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def tensor_meta(node: Any) -> torch.Tensor | None:
+    v = value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor(node: Any) -> bool:
+    return tensor_meta(node) is not None
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    t = tensor_meta(node)
+    return tuple(t.shape) if t is not None else None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    t = tensor_meta(node)
+    return t.dtype if t is not None else None
+
+
+def scalar(node: Any) -> float | None:
+    """A Python number, or a node that is a compile-time constant scalar tensor built from one
+    (`torch.full([], c)`, `torch.tensor(c)`, `math.sqrt(c)` folded by Dynamo). None otherwise."""
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, (int, float)):
+        return float(node)
+    if isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in (torch.full,) and len(node.args) >= 2 and scalar(node.args[1]) is not None:
+            size = node.args[0]
+            if isinstance(size, (list, tuple)) and math.prod(size) == 1:
+                return scalar(node.args[1])
+        if node.target is torch.tensor and node.args and isinstance(node.args[0], (int, float)):
+            return float(node.args[0])
+        if kind(node) in ("to",) and node.args:
+            return scalar(node.args[0])
+    return None
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def positive_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def is_last_two_transpose(node: fx.Node) -> bool:
+    """`x.transpose(-1, -2)` / `x.transpose(2, 3)` / `x.permute(..., -1, -2)` / `x.mT`."""
+    k = kind(node)
+    src = tensor_meta(node.args[0]) if node.args else None
+    if src is None:
+        return False
+    nd = src.dim()
+    if k == "transpose":
+        d0 = positive_dim(arg(node, 1, "dim0"), nd)
+        d1 = positive_dim(arg(node, 2, "dim1"), nd)
+        return {d0, d1} == {nd - 1, nd - 2}
+    if k == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+        dims = [positive_dim(d, nd) for d in dims]
+        return dims == list(range(nd - 2)) + [nd - 1, nd - 2]
+    return False
+
+
+def static_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Placeholders that hold module parameters or buffers (Dynamo lifts them as graph inputs):
+    placeholder node -> its position among the graph's inputs."""
+    out = {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        guard = getattr(source, "guard_source", None)
+        if guard is not None and (guard.is_unspecialized_nn_module() or guard.is_specialized_nn_module()):
+            out[node] = i
+    return out
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def remove_dead_code(graph: fx.Graph) -> None:
+    """Erase unused nodes whose operation we know to be pure. FX's own DCE would also drop an
+    unused in-place call such as `x.masked_fill_(...)`, which is not ours to remove."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and node.op in ("call_function", "call_method"):
+            if kind(node) is not None or node.target is operator.getitem or _is_transfuse_op(node):
+                graph.erase_node(node)
+
+
+def _is_transfuse_op(node: fx.Node) -> bool:
+    return "transfuse" in str(getattr(node.target, "namespace", "")) or str(node.target).startswith("transfuse.")

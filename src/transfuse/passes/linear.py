@@ -1,0 +1,149 @@
+"""Linear + bias + activation (+ residual add) as one GEMM with an epilogue (`LinearEpilogue`).
+
+The activation is recognised by meaning: a chain of element-wise operations that reads only the
+linear's output (and constants) is evaluated on probe values and compared against each activation
+the kernel implements. So `F.gelu(x)`, `F.gelu(x, approximate="tanh")`, Hugging Face's
+hand-written `NewGELUActivation` (0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))),
+`x * torch.sigmoid(x)` and `nn.SiLU` all match, whatever constants or spellings they use, and a
+chain that is none of them is left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from transfuse.passes.graph import POINTWISE, arg, kind, scalar, shape, tensor_meta
+from transfuse.passes.manager import PassContext
+
+PATTERN = "LinearEpilogue"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "tanh": torch.tanh,
+    "silu": F.silu,
+}
+_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 801, dtype=torch.float64), torch.tensor([-20.0, -0.5e-3, 0.0, 1e-3, 20.0], dtype=torch.float64)])
+
+
+def run(ctx: PassContext) -> None:
+    graph = ctx.gm.graph
+    for node in list(graph.nodes):
+        if kind(node) != "linear":
+            continue
+        reason = _check(node)
+        if reason:
+            ctx.reject(PATTERN, node, reason)
+            continue
+        x, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        activation, last = _activation(node)
+        residual, last = _residual(last, node)
+        with graph.inserting_before(last):
+            new = graph.call_function(torch.ops.transfuse.linear.default, (x, weight, bias, activation, residual))
+        new.meta["example_value"] = last.meta.get("example_value")
+        last.replace_all_uses_with(new)
+        ctx.matched(PATTERN)
+
+
+def _check(node: fx.Node) -> str | None:
+    x, w = tensor_meta(arg(node, 0, "input")), tensor_meta(arg(node, 1, "weight"))
+    b = arg(node, 2, "bias")
+    if x is None or w is None:
+        return "input or weight has no recorded tensor value"
+    if x.dim() < 2 or w.dim() != 2:
+        return "input is 1-D or weight is not 2-D"
+    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+        return f"dtypes input {x.dtype}, weight {w.dtype} (autocast graphs are not fused yet)"
+    if b is not None and (tensor_meta(b) is None or tensor_meta(b).dtype != x.dtype):
+        return "bias dtype differs from the input's"
+    return None
+
+
+def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
+    """('none', linear) or (name, last node of the element-wise chain that computes it)."""
+    region, exit_node = _pointwise_region(linear)
+    if exit_node is None:
+        return "none", linear
+    if tensor_meta(exit_node) is None or tensor_meta(exit_node).dtype != tensor_meta(linear).dtype:
+        return "none", linear
+    try:
+        probed = _evaluate(region, linear, exit_node, _PROBE)
+    except Exception:  # an op our probe cannot evaluate: not a recognisable activation
+        return "none", linear
+    for name, fn in ACTIVATIONS.items():
+        expected = fn(_PROBE)
+        if probed.shape == expected.shape and torch.allclose(probed, expected, rtol=1e-5, atol=1e-6):
+            return name, exit_node
+    return "none", linear
+
+
+def _pointwise_region(start: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """Element-wise nodes computed from `start` alone (and constants), in graph order, and the one
+    node of the region whose value leaves it. (None for the exit when there is no single exit.)"""
+    region: list[fx.Node] = []
+    inside = {start}
+    node = start.next
+    # Only look a short way ahead: activations are a handful of nodes right after the GEMM.
+    for _ in range(24):
+        if node.op == "output":
+            break
+        if kind(node) in POINTWISE and _reads_only(node, inside):
+            region.append(node)
+            inside.add(node)
+        node = node.next
+    # Trim to the part that leaves through a single node.
+    while region:
+        exits = [n for n in [start] + region if any(u not in inside for u in n.users)]
+        if exits == [region[-1]]:
+            return region, region[-1]
+        inside.discard(region[-1])
+        region.pop()
+    return [], None
+
+
+def _reads_only(node: fx.Node, inside: set) -> bool:
+    tensors = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)]
+    if not any(t in inside for t in tensors):
+        return False
+    return all(t in inside or scalar(t) is not None for t in tensors)
+
+
+def _evaluate(region: list[fx.Node], start: fx.Node, exit_node: fx.Node, probe: torch.Tensor) -> torch.Tensor:
+    env = {start: probe}
+
+    def load(a):
+        if isinstance(a, fx.Node):
+            return env[a] if a in env else scalar(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(load(x) for x in a)
+        return a
+
+    for n in region:
+        args, kwargs = load(n.args), {k: load(v) for k, v in n.kwargs.items()}
+        if n.op == "call_method":
+            if kind(n) == "to":
+                env[n] = args[0]  # a cast: the kernel computes the epilogue in fp32 and casts once
+                continue
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        else:
+            env[n] = n.target(*args, **kwargs)
+    return env[exit_node]
+
+
+def _residual(last: fx.Node, linear: fx.Node) -> tuple[fx.Node | None, fx.Node]:
+    users = list(last.users)
+    if len(users) != 1 or kind(users[0]) != "add" or arg(users[0], 2, "alpha", 1) != 1:
+        return None, last
+    add = users[0]
+    if len(add.args) < 2:
+        return None, last
+    other = add.args[1] if add.args[0] is last else add.args[0]
+    if other is last or not isinstance(other, fx.Node) or tensor_meta(other) is None:
+        return None, last
+    if shape(other) != shape(last) or tensor_meta(other).dtype != tensor_meta(last).dtype or shape(add) != shape(last):
+        return None, last
+    return other, add

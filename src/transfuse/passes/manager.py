@@ -1,0 +1,82 @@
+"""The ordered registry of rewrite passes and the record of what each did.
+
+Order matters and is stated once, here: dropout goes first so that attention and epilogue chains are
+contiguous; attention before the GEMM passes (it consumes matmuls, not linears); sibling linears are
+merged before epilogues are fused; residual adds go to the norm kernel before the GEMM epilogue
+gets a chance at them (the norm kernel can also store the sum when something else reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from transfuse.passes.graph import remove_dead_code
+
+
+@dataclasses.dataclass
+class Rejection:
+    pattern: str
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may read (the real example inputs) and where it records what it did."""
+
+    gm: fx.GraphModule
+    example_inputs: list
+    options: dict
+    rewrites: Counter = dataclasses.field(default_factory=Counter)
+    rejections: list[Rejection] = dataclasses.field(default_factory=list)
+    # Weight groups merged into one buffer: the runtime keeps them current (see runtime/weights.py).
+    merged_weights: list = dataclasses.field(default_factory=list)
+
+    def matched(self, pattern: str, count: int = 1) -> None:
+        self.rewrites[pattern] += count
+
+    def reject(self, pattern: str, node: fx.Node, reason: str) -> None:
+        self.rejections.append(Rejection(pattern, node.name, reason))
+
+    def placeholder_value(self, node: fx.Node) -> torch.Tensor | None:
+        """The real tensor a placeholder stands for at compile time (parameters, buffers)."""
+        if node.op != "placeholder":
+            return None
+        index = [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(node)
+        value = self.example_inputs[index]
+        return value if isinstance(value, torch.Tensor) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[PassContext], None]
+    doc: str
+
+
+def registry() -> list[Pass]:
+    # Imported here so that each pass module stays importable on its own.
+    from transfuse.passes import attention, dropout, linear, merge_linears, norm
+
+    return [
+        Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)"),
+        Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention"),
+        Pass("merge_linears", merge_linears.run, "linears reading one input -> one GEMM (QKV)"),
+        Pass("norm", norm.run, "layer norm, with the residual add feeding it -> transfuse norm ops"),
+        Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear"),
+    ]
+
+
+def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None:
+    for p in registry():
+        if p.name in disabled:
+            continue
+        p.run(ctx)
+        remove_dead_code(ctx.gm.graph)
+        ctx.gm.graph.lint()
+    ctx.gm.recompile()

@@ -1,0 +1,96 @@
+"""Layer norm, fused with the residual add that feeds it.
+
+* `ResidualLayerNorm` — `F.layer_norm(a + b, ...)`: BERT's post-norm `LayerNorm(hidden + input)`
+  (transformers/models/bert/modeling_bert.py, BertSelfOutput/BertOutput) and GPT-style pre-norm
+  where the sum is also the next residual (then the kernel stores the sum too).
+* `LayerNorm` — any other `F.layer_norm` over the last dimension.
+
+eps is read from the graph, never compared against a literal.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from transfuse.passes.graph import arg, kind, node_order, scalar, shape, tensor_meta
+from transfuse.passes.manager import PassContext
+
+FUSED = "ResidualLayerNorm"
+PLAIN = "LayerNorm"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def run(ctx: PassContext) -> None:
+    graph = ctx.gm.graph
+    order = node_order(graph)
+    for node in list(graph.nodes):
+        if kind(node) != "layer_norm":
+            continue
+        reason = _check(node)
+        if reason:
+            ctx.reject(PLAIN, node, reason)
+            continue
+        x = arg(node, 0, "input")
+        weight, bias = arg(node, 2, "weight"), arg(node, 3, "bias")
+        eps = scalar(arg(node, 4, "eps", 1e-5))
+        residual = _residual_add(x, node, order)
+        with graph.inserting_before(node):
+            if residual is None:
+                new = graph.call_function(torch.ops.transfuse.layer_norm.default, (x, weight, bias, eps))
+                new.meta["example_value"] = node.meta.get("example_value")
+                ctx.matched(PLAIN)
+            else:
+                a, b = residual
+                store_sum = len(x.users) > 1
+                fused = graph.call_function(
+                    torch.ops.transfuse.add_layer_norm.default, (a, b, weight, bias, eps, store_sum)
+                )
+                new = graph.call_function(operator.getitem, (fused, 0))
+                new.meta["example_value"] = node.meta.get("example_value")
+                if store_sum:
+                    total = graph.call_function(operator.getitem, (fused, 1))
+                    total.meta["example_value"] = x.meta.get("example_value")
+                    x.replace_all_uses_with(total, delete_user_cb=lambda u: u is not node)
+                ctx.matched(FUSED)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        if residual is not None and not x.users:
+            graph.erase_node(x)
+        order = node_order(graph)
+
+
+def _check(node: fx.Node) -> str | None:
+    x = tensor_meta(arg(node, 0, "input"))
+    normalized = arg(node, 1, "normalized_shape")
+    if x is None:
+        return "input has no recorded tensor value"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype}"
+    if not isinstance(normalized, (list, tuple)) or len(normalized) != 1 or normalized[0] != x.shape[-1]:
+        return f"normalized_shape {normalized} is not the last dimension alone"
+    for name, i in (("weight", 2), ("bias", 3)):
+        p = tensor_meta(arg(node, i, name))
+        if arg(node, i, name) is not None and (p is None or p.dtype != x.dtype or p.dim() != 1):
+            return f"{name} is not a 1-D tensor of the input's dtype"
+    if scalar(arg(node, 4, "eps", 1e-5)) is None:
+        return "eps is not a compile-time constant"
+    return None
+
+
+def _residual_add(x, norm: fx.Node, order: dict) -> tuple | None:
+    """(a, b) when the norm's input is `a + b` of two same-shape, same-dtype tensors whose other
+    readers all come after the norm (the fused kernel produces the sum there)."""
+    if not isinstance(x, fx.Node) or kind(x) != "add" or arg(x, 2, "alpha", 1) != 1:
+        return None
+    if len(x.args) < 2 or not all(isinstance(t, fx.Node) for t in x.args[:2]):
+        return None
+    a, b = x.args[0], x.args[1]
+    ta, tb, tx = tensor_meta(a), tensor_meta(b), tensor_meta(x)
+    if ta is None or tb is None or shape(a) != shape(b) or shape(a) != shape(x) or ta.dtype != tb.dtype or ta.dtype != tx.dtype:
+        return None
+    if any(order[u] < order[norm] for u in x.users if u is not norm):
+        return None
+    return a, b

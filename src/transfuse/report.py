@@ -1,0 +1,94 @@
+"""What transfuse did to a model: rewrites with counts, candidates left alone with the reason, graphs
+and graph breaks, and the share of the graph's matrix work now in transfuse kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import torch.fx as fx
+
+from transfuse.passes.graph import kind, tensor_meta
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    rewrites: dict
+    rejections: list
+    flops_total: float
+    flops_transfuse: float
+    cuda_graphs: bool
+    nodes: int
+
+    def summary(self) -> str:
+        share = self.flops_transfuse / self.flops_total if self.flops_total else 0.0
+        done = ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items())) or "nothing"
+        return f"rewrote {done}; {len(self.rejections)} left alone; {share:.0%} of matmul FLOPs in transfuse kernels"
+
+
+def _numel(t) -> int:
+    return math.prod(t.shape) if t is not None else 0
+
+
+def node_flops(node: fx.Node) -> float:
+    """Multiply-add FLOPs of the matrix operations; element-wise work is not counted."""
+    target = str(node.target)
+    if node.op != "call_function" and node.op != "call_method":
+        return 0.0
+    if kind(node) == "linear" or target.startswith("transfuse.linear"):
+        x, w = tensor_meta(node.args[0]), tensor_meta(node.args[1])
+        if x is None or w is None:
+            return 0.0
+        return 2.0 * _numel(x) / x.shape[-1] * w.shape[0] * w.shape[1]
+    if kind(node) == "matmul":
+        out, a = tensor_meta(node), tensor_meta(node.args[0])
+        if out is None or a is None:
+            return 0.0
+        return 2.0 * _numel(out) * a.shape[-1]
+    if kind(node) == "sdpa" or target.startswith("transfuse.attention.default"):
+        q, k = tensor_meta(node.args[0]), tensor_meta(node.args[1])
+        if q is None or k is None:
+            return 0.0
+        return 4.0 * _numel(q) * k.shape[-2]
+    return 0.0
+
+
+def compute_flops(gm: fx.GraphModule, transfuse_only: bool = False) -> float:
+    total = 0.0
+    for node in gm.graph.nodes:
+        if transfuse_only and not str(node.target).startswith("transfuse."):
+            continue
+        total += node_flops(node)
+    return total
+
+
+def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | None = None) -> str:
+    if not records:
+        return "transfuse: nothing compiled yet (call the model once)"
+    rewrites: Counter = Counter()
+    for r in records:
+        rewrites.update(r.rewrites)
+    lines = [f"transfuse report: {len(records)} graph(s) compiled"]
+    if graph_breaks is not None:
+        lines.append(f"  graph breaks: {graph_breaks}")
+    lines.append("  rewrites:")
+    for name, count in sorted(rewrites.items()):
+        lines.append(f"    {name:<22} x{count}")
+    reasons: Counter = Counter((rej.pattern, rej.reason) for r in records for rej in r.rejections)
+    if reasons:
+        lines.append("  left as they were:")
+        for (pattern, reason), count in sorted(reasons.items()):
+            lines.append(f"    {pattern:<22} x{count}: {reason}")
+    total = sum(r.flops_total for r in records)
+    ours = sum(r.flops_transfuse for r in records)
+    if total:
+        lines.append(f"  matmul/attention FLOPs in transfuse kernels: {ours / total:.1%}")
+    on_gpu = any(r.cuda_graphs for r in records)
+    lines.append(f"  CUDA graphs: {'on' if on_gpu else 'off (CPU or disabled)'}")
+    if pool is not None and pool.graphs_captured:
+        lines.append(
+            f"    captured {pool.graphs_captured}, pool ~{pool.bytes_reserved / 2**20:.1f} MiB, "
+            f"capture time {pool.capture_seconds:.2f} s"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""What runs the rewritten graph: merged-weight guards, CUDA-graph capture and replay."""

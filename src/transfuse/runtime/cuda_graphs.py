@@ -1,0 +1,110 @@
+"""Replays a whole optimized forward as one CUDA graph per input signature.
+
+* Parameters and buffers (Dynamo's static inputs) are read in place: their addresses are baked into
+  the graph and compared before every replay; a moved parameter re-captures.
+* Other inputs are copied into static buffers.
+* All graphs of one model share one memory pool (`GraphPool`); replays are sequential, so a graph's
+  intermediates may reuse another's.
+* Outputs are cloned out of the static buffers: a tensor returned to the user is never overwritten by
+  a later call.
+* The first call of a signature runs eagerly first (Triton compiles and autotunes there, never inside
+  capture), then captures.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Callable
+
+import torch
+
+
+class GraphPool:
+    """One CUDA-graph memory pool per optimized model, created on first use."""
+
+    def __init__(self):
+        self.handle = None
+        self.graphs_captured = 0
+        self.capture_seconds = 0.0
+        self.bytes_reserved = 0
+
+    def get(self):
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle
+
+
+class _Captured:
+    def __init__(self, fn, args, static_indices, pool: GraphPool):
+        self.static_indices = static_indices
+        self.pick_static = operator.itemgetter(*static_indices) if static_indices else (lambda args: ())
+        self.static_ptrs = self._static_ptrs(args)
+        self.inputs = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and i not in static_indices:
+                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                self.inputs.append((i, buf))
+        self.args = list(args)
+        for i, buf in self.inputs:
+            self.args[i] = buf
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*self.args)  # warm-up: compiles and autotunes every kernel outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool.get()):
+            self.outputs = fn(*self.args)
+        torch.cuda.synchronize()
+        pool.graphs_captured += 1
+        pool.capture_seconds += time.perf_counter() - start
+        pool.bytes_reserved += max(0, torch.cuda.memory_reserved() - before)
+
+    def _static_ptrs(self, args) -> list[int]:
+        picked = self.pick_static(args)
+        if not isinstance(picked, tuple):
+            picked = (picked,)
+        return list(map(torch.Tensor.data_ptr, picked))
+
+    def still_valid(self, args) -> bool:
+        # ~200 parameters for bert-base: one C call each, microseconds in all.
+        return self._static_ptrs(args) == self.static_ptrs
+
+    def replay(self, args):
+        for i, buf in self.inputs:
+            buf.copy_(args[i])
+        self.graph.replay()
+        return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
+
+
+class CudaGraphRunner:
+    """Callable for Dynamo: routes each input signature to its captured graph."""
+
+    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool):
+        self.fn = fn
+        self.static_indices = static_indices
+        self.pool = pool
+        self.graphs: dict[tuple, _Captured] = {}
+        self.dynamic_indices: list[int] | None = None
+
+    def signature(self, args) -> tuple:
+        if self.dynamic_indices is None:
+            static = set(self.static_indices)
+            self.dynamic_indices = [i for i in range(len(args)) if i not in static]
+        out = []
+        for i in self.dynamic_indices:
+            a = args[i]
+            out.append((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a)
+        return tuple(out)
+
+    def __call__(self, *args):
+        key = self.signature(args)
+        captured = self.graphs.get(key)
+        if captured is None or not captured.still_valid(args):
+            captured = _Captured(self.fn, args, self.static_indices, self.pool)
+            self.graphs[key] = captured
+        return captured.replay(args)
