@@ -33,6 +33,7 @@ class Backend:
     def __init__(self, **options):
         self.options = options
         self.records: list[GraphRecord] = []
+        self.graphs: list[fx.GraphModule] = []  # the rewritten graphs, for tests and debugging
         self.pool = GraphPool()
         self.merged: list[MergedWeights] = []
 
@@ -55,12 +56,13 @@ class Backend:
             nodes=len(gm.graph.nodes),
         )
         self.records.append(record)
+        self.graphs.append(gm)
         log.info("transfuse: %s", record.summary())
         ctx.example_inputs.clear()  # drop references to the real tensors
 
         def compiled(*args):
-            if merged.groups:
-                merged.refresh()
+            if merged.positions:
+                merged.refresh(args)
             with torch.no_grad():
                 return runner(*args)
 

@@ -86,8 +86,10 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model, _STATE, None)
     if state is None:
         return model
-    for merged in state.backend.merged:
-        merged.unmerge()
+    merged = set().union(*(m.storages() for m in state.backend.merged)) if state.backend.merged else set()
+    for p in model.parameters():
+        if p.untyped_storage().data_ptr() in merged:
+            p.data = p.data.clone()
     if model.__dict__.get("forward") is state.compiled_forward:
         del model.__dict__["forward"]
     delattr(model, _STATE)

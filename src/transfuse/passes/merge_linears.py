@@ -59,9 +59,10 @@ def _merge(ctx: PassContext, x: fx.Node, members: list[fx.Node]) -> str | None:
 
     fused_w = _fused(weights)
     fused_b = _fused(biases) if biases[0] is not None else None
-    ctx.merged_weights.append((weights, fused_w))
+    statics = static_inputs(ctx.gm)
+    ctx.merged_weights.append(([statics[arg(m, 1, "weight")] for m in members], weights, fused_w))
     if fused_b is not None:
-        ctx.merged_weights.append((biases, fused_b))
+        ctx.merged_weights.append(([statics[arg(m, 2, "bias")] for m in members], biases, fused_b))
 
     graph = ctx.gm.graph
     first = min(members, key=lambda m: list(graph.nodes).index(m))

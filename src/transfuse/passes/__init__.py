@@ -1,0 +1,1 @@
+"""FX rewrite passes; manager.py holds the ordered registry."""

@@ -1,0 +1,113 @@
+"""The attention pass matches hand-written and SDPA attention by meaning, and leaves alone (with a
+reason) what it cannot replace exactly."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import optimize_and_run, rel_err
+
+
+class HandWritten(torch.nn.Module):
+    """Variants of `softmax(q k^T * scale + mask) v` as models write it."""
+
+    def __init__(self, variant: str, heads: int = 2, dim: int = 16, seq: int = 16):
+        super().__init__()
+        self.variant, self.heads, self.dim = variant, heads, dim
+        self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim)
+        self.register_buffer("tril", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x, mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(self.heads * self.dim, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, self.dim).transpose(1, 2) for z in (q, k, v))
+        v_ = self.variant
+        if v_ == "nanogpt":  # nanoGPT: masked_fill(bias == 0, -inf) on a tril buffer
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.tril[:, :, :t, :t] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        elif v_ == "hf_eager":  # HF eager_attention_forward: fp32 softmax, cast back, additive mask
+            att = torch.matmul(q, k.transpose(2, 3)) * self.dim**-0.5
+            att = att + mask
+            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+            att = F.dropout(att, p=0.0, training=False)
+            y = torch.matmul(att, v)
+        elif v_ == "scaled_q":  # scale applied to q before the product, division spelling
+            att = (q / math.sqrt(self.dim)) @ k.transpose(-1, -2)
+            y = att.softmax(-1) @ v
+        elif v_ == "where":
+            att = torch.where(mask, q @ k.transpose(-1, -2) / 3.0, float("-inf"))
+            y = torch.softmax(att, dim=-1) @ v
+        elif v_ == "bmm3d":  # (batch*heads, seq, dim) with torch.bmm
+            q3, k3, v3 = (z.reshape(b * self.heads, t, self.dim) for z in (q, k, v))
+            att = torch.bmm(q3, k3.transpose(1, 2)) * 0.3
+            y = torch.bmm(torch.softmax(att, dim=-1), v3).view(b, self.heads, t, self.dim)
+        elif v_ == "sdpa_gqa":
+            y = F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], attn_mask=mask, enable_gqa=True)
+        elif v_ == "sdpa_causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2)
+        elif v_ == "fill_zero":  # not an exclusion: must be left alone
+            att = (q @ k.transpose(-2, -1)).masked_fill(mask, 0.0)
+            y = att.softmax(-1) @ v
+        elif v_ == "softmax_dim2":  # softmax over queries: not attention
+            y = torch.softmax(q @ k.transpose(-2, -1), dim=2) @ v
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
+CASES = {
+    # variant: (mask maker, expected pattern, matches)
+    "nanogpt": (None, "ManualAttention", 1),
+    "hf_eager": (lambda b, t: torch.where(torch.rand(b, 1, 1, t) > 0.3, 0.0, torch.finfo(torch.float32).min), "ManualAttention", 1),
+    "scaled_q": (None, "ManualAttention", 1),
+    "where": (lambda b, t: torch.rand(b, 1, t, t) > 0.2, "ManualAttention", 1),
+    "bmm3d": (None, "ManualAttention", 1),
+    "sdpa_gqa": (lambda b, t: torch.rand(1, 1, t, t) > 0.4, "TorchSDPA", 1),
+    "sdpa_causal": (None, "TorchSDPA", 1),
+    "fill_zero": (lambda b, t: torch.rand(b, 1, t, t) > 0.5, "ManualAttention", 0),
+    "softmax_dim2": (None, "ManualAttention", 0),
+}
+
+
+@pytest.mark.parametrize("variant", list(CASES))
+def test_attention_variants(variant):
+    make_mask, pattern, matches = CASES[variant]
+    b, t = 2, 11
+    model = HandWritten(variant).eval()
+    x = torch.randn(b, t, 32)
+    mask = make_mask(b, t) if make_mask else None
+    if variant == "where":
+        mask[..., 0] = True  # every query sees at least one key: no all-masked rows here
+    with torch.no_grad():
+        ref = model(x, mask)
+    out, rewrites, rejections = optimize_and_run(model, x, mask)
+    assert rewrites.get(pattern, 0) == matches
+    if matches == 0 and variant == "fill_zero":
+        assert any("masked_fill" in r.reason for r in rejections)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_all_masked_rows_match_eager():
+    """HF's finfo.min additive mask on a fully padded sequence: eager averages, not NaN."""
+    model = HandWritten("hf_eager").eval()
+    x = torch.randn(2, 7, 32)
+    mask = torch.zeros(2, 1, 1, 7)
+    mask[1] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        ref = model(x, mask)
+    out, rewrites, _ = optimize_and_run(model, x, mask)
+    assert rewrites["ManualAttention"] == 1
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_nan_input_gives_nan_like_eager():
+    model = HandWritten("nanogpt").eval()
+    x = torch.randn(2, 5, 32)
+    x[0, 2, 3] = float("nan")
+    with torch.no_grad():
+        ref = model(x)
+    out, _, _ = optimize_and_run(model, x)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))

@@ -1,0 +1,59 @@
+"""GEMM epilogues: activations recognised by meaning (probing), residual adds fused, and chains
+that are no known activation left as they were."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import optimize_and_run, rel_err
+
+
+def gelu_new(x):  # Hugging Face NewGELUActivation, written out
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTS = {
+    "gelu": (F.gelu, "gelu"),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
+    "gelu_new": (gelu_new, "gelu_tanh"),
+    "relu": (torch.relu, "relu"),
+    "tanh": (torch.tanh, "tanh"),
+    "silu": (F.silu, "silu"),
+    "x_sigmoid_x": (lambda x: x * torch.sigmoid(x), "silu"),
+    "not_an_activation": (lambda x: x * 2.0 + 1.0, None),
+    "quick_gelu": (lambda x: x * torch.sigmoid(1.702 * x), None),
+}
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, act, residual: bool):
+        super().__init__()
+        self.fc = torch.nn.Linear(24, 40)
+        self.act, self.residual = act, residual
+        self.proj = torch.nn.Linear(40, 24)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        y = self.proj(h)
+        return y + x if self.residual else y
+
+
+@pytest.mark.parametrize("name", list(ACTS))
+def test_activation_by_meaning(name):
+    fn, expected = ACTS[name]
+    model = MLP(fn, residual=True).eval()
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        ref = model(x)
+    out, rewrites, _ = optimize_and_run(model, x)
+    gm_code = "\n".join(r.rewrites.__repr__() for r in model._transfuse_state.backend.records)
+    assert rewrites["LinearEpilogue"] == 2, gm_code
+    assert rel_err(out, ref) < 1e-5
+    graph = model._transfuse_state.backend.graphs[0]
+    activations = [n.args[3] for n in graph.graph.nodes if str(n.target).startswith("transfuse.linear")]
+    assert activations[0] == (expected or "none")
+    # The second GEMM takes the residual in its epilogue.
+    residuals = [n.args[4] for n in graph.graph.nodes if str(n.target).startswith("transfuse.linear")]
+    assert residuals[0] is None and residuals[1] is not None
