@@ -119,7 +119,7 @@ def run_gpu(args: argparse.Namespace, device: str = "cuda", config: Any = None) 
                 bar.advance(len(shapes))
                 continue
             for s in shapes:
-                bar.step(f"{name} {s[0]}x{s[1]}: first call (compile / capture) and warm-up")
+                bar.step(f"{name} {s[0]}x{s[1]}: compile, warm up, time")
                 try:
                     with torch.inference_mode():
                         first_s, _ = timing.time_first_call(fn, inputs[s], cuda)

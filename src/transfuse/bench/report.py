@@ -135,15 +135,21 @@ def fmt_err(err: float | None) -> str:
 
 
 def fmt_speedup(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
 
 
-def _table(header: list[str], rows: Iterable[list[str]]) -> str:
+def _table(header: list[str], rows: Iterable[list[str]], left: int = 1) -> str:
+    """A markdown table, padded to line up in a terminal; the first `left` columns left-aligned."""
     rows = list(rows)
-    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
+    widths = [max([len(header[i]), *(len(r[i]) for r in rows)]) for i in range(len(header))]
+
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
+        return "| " + " | ".join(c.ljust(w) if i < left else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) if i < left else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 
@@ -209,7 +215,7 @@ def details_table(results: dict[str, Any]) -> str:
                 continue
             rows.append([row["shape"], p, fmt_ms(e.get("p10_ms")), fmt_ms(e.get("median_ms")), fmt_ms(e.get("p90_ms")),
                          "-" if e.get("first_call_s") is None else f"{e['first_call_s']:.2f}", fmt_err(e.get("rel_err"))])
-    return _table(header, rows)
+    return _table(header, rows, left=2)
 
 
 def caption(results: dict[str, Any]) -> str:
@@ -263,12 +269,18 @@ def save_chart(results: dict[str, Any], path: str | os.PathLike) -> bool:
             if e.get("median_ms") is not None and not e.get("error"):
                 xs.append(j - 0.4 + width * (i + 0.5))
                 ys.append(e["median_ms"])
-        ax.bar(xs, ys, width=width, label=p)
+        color = f"C{i % 10}"
+        ax.bar(xs, ys, width=width, label=p, color=color)
+        for j, row in enumerate(results["rows"]):
+            if (row["providers"].get(p) or {}).get("error"):  # failed: mark the empty slot
+                ax.annotate("x", (j - 0.4 + width * (i + 0.5), 0.02), xycoords=("data", "axes fraction"),
+                            ha="center", color=color)
     floors = [(j, row["floor_ms"]) for j, row in enumerate(results["rows"]) if row.get("floor_ms")]
     if floors:
         ax.plot([j for j, _ in floors], [f for _, f in floors], "k_-", markersize=18, linewidth=1, label="floor")
     ax.set_yscale("log")
     ax.set_xticks(range(len(shapes)), shapes)
+    ax.set_xlim(-0.5, len(shapes) - 0.5)
     ax.set_xlabel("batch x seq")
     ax.set_ylabel("median latency, ms (log)")
     env = results["environment"]
