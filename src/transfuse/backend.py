@@ -34,6 +34,7 @@ class Backend:
         self.options = options
         self.records: list[GraphRecord] = []
         self.graphs: list[fx.GraphModule] = []  # the rewritten graphs, for tests and debugging
+        self.runners: list = []
         self.pool = GraphPool()
         self.merged: list[MergedWeights] = []
 
@@ -47,6 +48,7 @@ class Backend:
         static = sorted(static_inputs(gm).values())
         use_graphs = self.options.get("cuda_graphs", True) and _on_cuda(example_inputs) and _graph_safe(gm, example_inputs)
         runner = CudaGraphRunner(gm, static, self.pool) if use_graphs else gm
+        self.runners.append(runner)
         record = GraphRecord(
             rewrites=dict(ctx.rewrites),
             rejections=list(ctx.rejections),

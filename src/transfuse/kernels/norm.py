@@ -61,8 +61,12 @@ def norm_config(n_rows: int, n_cols: int) -> NormConfig:
     else:
         num_warps = 4
     rows = 1
-    if block_n < 1024:
-        rows = min(1024 // block_n, 16, next_power_of_2(max(n_rows, 1)))
+    if block_n <= 1024:
+        # Measured on an H200 (bench_norm.py --sweep, 2026-11-21): 16384x768 fp16 add_layer_norm
+        # ran in 24 us with 4 rows on 2 warps against 50 us with 1 row on 4 warps.
+        rows = min(4096 // block_n, 16, next_power_of_2(max(n_rows, 1)))
+        if n_rows >= 4096:
+            num_warps = 2
     return NormConfig(BLOCK_N=block_n, ROWS_PER_PROGRAM=rows, num_warps=num_warps)
 
 

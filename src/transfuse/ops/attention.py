@@ -1,0 +1,49 @@
+"""torch.ops.transfuse.attention and torch.ops.transfuse.attention_mask_summary (forward only, eval).
+
+    attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mask_summary, float scale,
+              bool is_causal, bool masked_rows_zero) -> Tensor
+    attention_mask_summary(Tensor mask, int seqlen_q, int seqlen_k) -> Tensor
+
+Shapes, mask forms and the numerics of fully masked rows are documented in
+transfuse.kernels.attention. The output of `attention` is (batch, nheads, seqlen_q, headdim) with the
+memory of a contiguous (batch, seqlen_q, nheads, headdim); the fake implementation returns the same
+strides. The summary is computed once per forward and shared by every layer that uses the same mask.
+"""
+
+import torch
+
+from transfuse.kernels.attention import (
+    attention_empty_out,
+    attention_fwd,
+    attention_mask_summary_fwd,
+    attention_summary_shape,
+)
+
+
+@torch.library.custom_op("transfuse::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    mask_summary: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    masked_rows_zero: bool,
+) -> torch.Tensor:
+    return attention_fwd(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero):
+    return attention_empty_out(q)
+
+
+@torch.library.custom_op("transfuse::attention_mask_summary", mutates_args=())
+def attention_mask_summary(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    return attention_mask_summary_fwd(mask, seqlen_q, seqlen_k)
+
+
+@attention_mask_summary.register_fake
+def _attention_mask_summary_fake(mask, seqlen_q, seqlen_k):
+    return mask.new_empty(attention_summary_shape(mask.shape, seqlen_q, seqlen_k), dtype=torch.int8)

@@ -1,0 +1,284 @@
+"""torch.ops.transfuse.linear: F.linear with its elementwise tail fused, act(x @ W.T + b) + residual.
+
+    linear(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual) -> Tensor
+
+x: (..., K), any leading dims and row strides; weight: (N, K) as F.linear takes it, or (2N, K) =
+[W_gate; W_up] for activation "silu_mul" (SwiGLU); bias: (N,) or (2N,); residual: (..., N), any
+strides. Returns (..., N), contiguous, dtype of x. Activations: transfuse.kernels.gemm.ACTIVATIONS.
+Forward only for now (no autograd formula is registered).
+
+On a GPU the op runs one of two implementations, whichever is faster for the shape:
+
+- "triton": transfuse.kernels.gemm, one GEMM whose epilogue applies bias, activation and
+  residual on the fp32 accumulator (plus a split-K variant for few rows);
+- "torch": cuBLAS through torch.addmm / torch.mm, then the epilogue as PyTorch ops, which is what
+  the unfused model runs; "torch_lt" is the same with cuBLASLt's fused epilogue
+  (torch._addmm_activation) where that computes exactly what is asked: relu, and gelu_tanh (its
+  GELU is the tanh approximation on CUDA; on CPU it is the erf GELU, so it is never used there).
+
+The choice is keyed by GemmKey (M rounded up to a power of two, N, K, dtype, activation, has_bias,
+has_residual) and made the first time a key is seen, by timing every candidate on the call's own
+inputs (GPU time from CUDA events, L2 flushed, launch overhead excluded because the op runs under
+CUDA graphs); Triton must beat the best torch candidate by MARGIN to be chosen, so a tie goes to
+cuBLAS. Inside CUDA-graph capture nothing is timed and no Triton kernel may be launched for the
+first time: an unseen key gets a fixed rule (_heuristic_choice: cuBLAS unless our kernel for that
+key is already loaded), recorded as not measured and measured at its next call outside capture.
+So warm up (one eager forward) before capturing, as CUDA graphs want anyway.
+
+Override: TRANSFUSE_GEMM_BACKEND=triton|torch|auto (environment, read at every call) or
+set_gemm_backend(...), which takes precedence. On CPU the op runs the Triton kernel under
+TRITON_INTERPRET=1 (what the CPU tests check) and the torch path otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from transfuse.kernels import gemm as kernels
+from transfuse.kernels._config import INTERPRET
+
+BACKEND_ENV = "TRANSFUSE_GEMM_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+
+# Triton is chosen only when faster than the best torch candidate by this fraction: timing noise
+# must not pick a kernel that is in truth slower than cuBLAS.
+MARGIN = 0.02
+_TIMING_REPS = 5  # per round; two rounds in alternating order
+_L2_FLUSH_BYTES = 64 << 20  # more than H100's 50 MB L2
+_SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU spin so the host queues every timed launch before they run
+
+
+class GemmKey(NamedTuple):
+    m_bucket: int
+    n: int
+    k: int
+    dtype: str
+    activation: str
+    has_bias: bool
+    has_residual: bool
+
+
+@dataclass
+class GemmChoice:
+    backend: str  # "triton", "torch" or "torch_lt"
+    split_k: int = 1  # Triton only
+    measured: bool = False
+    times_ms: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+_CHOICES: dict[GemmKey, GemmChoice] = {}
+_forced: Optional[str] = None
+
+
+def set_gemm_backend(backend: Optional[str]) -> Optional[str]:
+    """Forces "triton" or "torch" for every transfuse.linear call ("auto" or None: measure per
+    shape, unless TRANSFUSE_GEMM_BACKEND says otherwise). Returns the previous setting."""
+    global _forced
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    previous, _forced = _forced, backend
+    return previous
+
+
+def gemm_backend() -> str:
+    """The backend in force: set_gemm_backend's, else TRANSFUSE_GEMM_BACKEND's, else "auto"."""
+    backend = _forced or os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def gemm_choices() -> dict[GemmKey, GemmChoice]:
+    """What the dispatcher chose for each key so far (a copy), with the measured times in ms."""
+    return dict(_CHOICES)
+
+
+def clear_gemm_choices() -> None:
+    _CHOICES.clear()
+
+
+# -------------------------------------------------------------------------------------------------
+# The torch/cuBLAS implementation
+# -------------------------------------------------------------------------------------------------
+
+_INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda h: h,
+    "gelu": lambda h: torch.ops.aten.gelu_(h),
+    "gelu_tanh": lambda h: torch.ops.aten.gelu_(h, approximate="tanh"),
+    "relu": torch.relu_,
+    "tanh": torch.tanh_,
+    "silu": lambda h: F.silu(h, inplace=True),
+}
+
+
+def cublaslt_epilogue_applies(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> bool:
+    """torch._addmm_activation computes exactly this activation here (relu anywhere; gelu_tanh only
+    on CUDA, where its GELU is the tanh approximation)."""
+    return bias is not None and (activation == "relu" or (activation == "gelu_tanh" and x.is_cuda))
+
+
+def linear_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    residual: Optional[torch.Tensor],
+    cublaslt_epilogue: bool = False,
+) -> torch.Tensor:
+    """The same result through cuBLAS and PyTorch ops: addmm (bias fused by cuBLASLt), then the
+    activation and residual in place on the GEMM's own output. cublaslt_epilogue=True also fuses
+    the activation where cublaslt_epilogue_applies."""
+    N = kernels.check_linear_args(x, weight, bias, activation, residual)
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if cublaslt_epilogue and cublaslt_epilogue_applies(x, bias, activation):
+        h = torch._addmm_activation(bias, x2, weight.t(), use_gelu=activation == "gelu_tanh")
+    else:
+        h = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+        if activation == "silu_mul":
+            h = F.silu(h[:, :N]).mul_(h[:, N:])
+        else:
+            h = _INPLACE_ACTIVATIONS[activation](h)
+    if residual is not None:
+        h.add_(residual.reshape(-1, N))
+    return h.view(*lead, N)
+
+
+# -------------------------------------------------------------------------------------------------
+# Dispatch
+# -------------------------------------------------------------------------------------------------
+
+
+def _gpu_times_ms(candidates: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """Median GPU time per call of each candidate. A ~1 ms spin kernel is queued first so the host
+    enqueues every timed launch before the GPU reaches them: the events then measure the kernels
+    back to back, as under CUDA-graph replay, not Python launch overhead. L2 is flushed before each
+    call because a layer's weights are not L2-resident in a real forward pass."""
+    flush = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.cuda.device(device):
+        for round_ in range(2):  # alternate the order to cancel clock and thermal drift
+            items = list(candidates.items())
+            for name, fn in items if round_ == 0 else reversed(items):
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(_TIMING_REPS)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(_TIMING_REPS)]
+                torch.cuda.synchronize()
+                if hasattr(torch.cuda, "_sleep"):
+                    torch.cuda._sleep(_SLEEP_CYCLES)
+                for start, end in zip(starts, ends):
+                    flush.zero_()
+                    start.record()
+                    fn()
+                    end.record()
+                torch.cuda.synchronize()
+                samples[name] += [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _heuristic_choice(key: GemmKey, triton_loaded: bool) -> GemmChoice:
+    """For a key first seen inside CUDA-graph capture, where nothing may be timed, and where a
+    Triton kernel may only run if it has been launched before (its first launch loads a module,
+    which aborts the capture): `triton_loaded` says whether the autotuned kernel for this exact key
+    has been. Then: cuBLAS for a bare GEMM (its tiles beat ours; bias is fused by cuBLASLt anyway)
+    and for few rows (weight-streaming, where cuBLAS has split-K and GEMV kernels); Triton when
+    there is an epilogue to fuse on enough rows that the saved round trip of the output matters."""
+    fusable = key.activation != "none" or key.has_residual
+    use_triton = (triton_loaded and fusable and key.m_bucket > kernels.SMALL_M_MAX
+                  and key.dtype in ("float16", "bfloat16"))
+    return GemmChoice("triton" if use_triton else "torch", split_k=1, measured=False, note="heuristic (capture)")
+
+
+def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
+    M = math.prod(x.shape[:-1])
+    candidates: dict[str, Callable[[], object]] = {
+        "torch": lambda: linear_torch(x, weight, bias, activation, residual),
+    }
+    if cublaslt_epilogue_applies(x, bias, activation):
+        candidates["torch_lt"] = lambda: linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=True)
+    splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
+    for split in splits:
+        candidates[f"triton/split_k={split}"] = (
+            lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split))
+
+    note = ""
+    for name, fn in list(candidates.items()):
+        try:
+            fn()  # compiles and autotunes Triton, warms cuBLAS's heuristics cache
+        except Exception as e:  # noqa: BLE001 - a Triton failure must degrade to cuBLAS, not crash the model
+            if not name.startswith("triton"):
+                raise
+            note = f"{name} failed: {type(e).__name__}: {e}"
+            warnings.warn(f"transfuse.linear {key}: {note}; using torch", stacklevel=3)
+            del candidates[name]
+    times = _gpu_times_ms(candidates, x.device)
+
+    best_torch = min((n for n in times if not n.startswith("triton")), key=times.get)
+    best_triton = min((n for n in times if n.startswith("triton")), key=times.get, default=None)
+    if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
+        return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), measured=True, times_ms=times, note=note)
+    return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
+
+
+def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
+    backend = gemm_backend()
+    if x.device.type != "cuda":
+        use_triton = INTERPRET and backend != "torch"
+        return GemmChoice("triton" if use_triton else "torch", split_k=1)
+    if backend == "triton":
+        return GemmChoice("triton", split_k=None)  # launcher's own split-K rule
+    if backend == "torch":
+        return GemmChoice("torch")
+    M = math.prod(x.shape[:-1])
+    if M == 0:
+        return GemmChoice("torch")
+    key = GemmKey(kernels.m_bucket(M), n_out, x.shape[-1], str(x.dtype).removeprefix("torch."),
+                  activation, bias is not None, residual is not None)
+    choice = _CHOICES.get(key)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if choice is not None and (choice.measured or capturing):
+        return choice
+    if capturing:
+        loaded = kernels.is_tuned(M, n_out, x.shape[-1], 1, activation, bias is not None, residual is not None,
+                                  x.dtype)
+        choice = _heuristic_choice(key, loaded)
+    else:
+        choice = _measure(key, x, weight, bias, activation, residual)
+    _CHOICES[key] = choice
+    return choice
+
+
+# -------------------------------------------------------------------------------------------------
+# The op
+# -------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transfuse::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    residual: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) + residual; see the module docstring for shapes and dispatch."""
+    n_out = kernels.check_linear_args(x, weight, bias, activation, residual)
+    choice = _choose(x, weight, bias, activation, residual, n_out)
+    if choice.backend == "triton":
+        return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k)
+    return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")
+
+
+@linear.register_fake
+def _(x, weight, bias, activation, residual):
+    n_out = kernels.check_linear_args(x, weight, bias, activation, residual)
+    return x.new_empty((*x.shape[:-1], n_out))

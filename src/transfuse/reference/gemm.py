@@ -1,0 +1,52 @@
+"""Plain-PyTorch linear with epilogue: the oracle for transfuse.kernels.gemm and transfuse::linear.
+
+    out = act(x @ weight.T + bias) + residual
+
+x: (..., K); weight: (N, K), or (2N, K) = [W_gate; W_up] for "silu_mul"; bias: (N,) or (2N,);
+residual: (..., N). "silu_mul" is silu(gate) * up (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {
+    "none": lambda h: h,
+    "gelu": lambda h: F.gelu(h),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+    "tanh": torch.tanh,
+    "silu": F.silu,
+}
+
+
+def linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    residual: torch.Tensor | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) + residual, the eager PyTorch way.
+
+    upcast=False computes in the inputs' dtype, rounding after every op (what an unfused model
+    does: the baseline for "PyTorch's own error"); upcast=True computes everything in fp32 and
+    returns fp32 (the oracle).
+    """
+    if upcast:
+        x, weight = x.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+        residual = residual.float() if residual is not None else None
+    h = F.linear(x, weight, bias)
+    if activation == "silu_mul":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    elif activation in _ACTIVATIONS:
+        h = _ACTIVATIONS[activation](h)
+    else:
+        raise ValueError(f"unknown activation {activation!r}")
+    if residual is not None:
+        h = h + residual
+    return h

@@ -1,0 +1,202 @@
+"""torch.ops.transfuse.linear: schema, opcheck, fake implementation, tracing through torch.compile,
+the torch/cuBLAS implementation and the dispatcher's decision rule (on CPU, with stand-in timings)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import transfuse.ops.gemm as gemm_ops
+from transfuse.kernels.gemm import ACTIVATIONS
+from transfuse.ops.gemm import GemmKey, gemm_backend, gemm_choices, linear_torch, set_gemm_backend
+from transfuse.reference.gemm import linear_ref
+
+ops = torch.ops.transfuse
+
+SCHEMA = "transfuse::linear(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual) -> Tensor"
+
+
+@pytest.fixture(autouse=True)
+def _auto_backend(monkeypatch):
+    """Every test starts from the default backend choice, whatever the environment says."""
+    monkeypatch.delenv(gemm_ops.BACKEND_ENV, raising=False)
+    previous = set_gemm_backend(None)
+    yield
+    set_gemm_backend(previous)
+
+
+def test_schema():
+    assert str(ops.linear.default._schema) == SCHEMA
+
+
+def _cases():
+    """(x, weight, bias, activation, residual) covering every optional, 3-D and strided inputs."""
+    x = torch.randn(2, 5, 40)
+    w, b, r = torch.randn(24, 40) / 6, torch.randn(24), torch.randn(2, 5, 24)
+    w2, b2 = torch.randn(48, 40) / 6, torch.randn(48)
+    qkv = torch.randn(7, 120)
+    strided_r = torch.randn(24, 7).t()
+    return [
+        (x, w, None, "none", None),
+        (x, w, b, "gelu", r),
+        (x, w2, b2, "silu_mul", r),
+        (qkv[:, 40:80], w, b, "relu", strided_r),
+        (x.half(), w.half(), b.half(), "gelu_tanh", None),
+        (x[0], w, None, "tanh", r[1]),
+    ]
+
+
+CASE_IDS = [f"{case[3]}-{i}" for i, case in enumerate(_cases())]
+
+
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
+def test_opcheck(case):
+    torch.library.opcheck(ops.linear.default, _cases()[case])
+
+
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
+def test_op_matches_reference(case):
+    x, w, b, act, r = _cases()[case]
+    out = ops.linear(x, w, b, act, r)
+    gold = linear_ref(x, w, b, act, r, upcast=True)
+    torch.testing.assert_close(out.float(), gold, **({} if x.dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)))
+
+
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
+def test_fake_matches_real(case):
+    args = _cases()[case]
+    real = ops.linear(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ops.linear(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    assert real.is_contiguous()
+
+
+def test_fake_rejects_bad_shapes():
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.randn(5, 40)), mode.from_tensor(torch.randn(24, 16))
+        with pytest.raises(ValueError):
+            ops.linear(x, w, None, "none", None)
+
+
+def test_traces_through_torch_compile():
+    x, w, b, _, r = _cases()[1]
+
+    def f(x, w, b, r):
+        return ops.linear(x, w, b, "gelu", r) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, b, r), f(x, w, b, r))
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch/cuBLAS implementation
+
+
+@pytest.mark.parametrize("cublaslt_epilogue", [False, True])
+@pytest.mark.parametrize("has_bias,has_residual", [(False, False), (True, True)])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_linear_torch(activation, has_bias, has_residual, cublaslt_epilogue):
+    rows = 48 if activation == "silu_mul" else 24
+    x = torch.randn(3, 7, 40)
+    w = torch.randn(rows, 40) / 6
+    b = torch.randn(rows) if has_bias else None
+    r = torch.randn(3, 7, 24) if has_residual else None
+    out = linear_torch(x, w, b, activation, r, cublaslt_epilogue=cublaslt_epilogue)
+    assert out.shape == (3, 7, 24) and out.is_contiguous()
+    torch.testing.assert_close(out, linear_ref(x, w, b, activation, r))
+
+
+def test_cublaslt_epilogue_only_where_exact():
+    x, b = torch.randn(2, 4), torch.randn(3)
+    assert gemm_ops.cublaslt_epilogue_applies(x, b, "relu")
+    # on CPU torch._addmm_activation's GELU is the erf one: not the tanh approximation asked for
+    assert not gemm_ops.cublaslt_epilogue_applies(x, b, "gelu_tanh")
+    assert not gemm_ops.cublaslt_epilogue_applies(x, b, "gelu")
+    assert not gemm_ops.cublaslt_epilogue_applies(x, None, "relu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend override and dispatch rule
+
+
+def test_backend_override(monkeypatch):
+    assert gemm_backend() == "auto"
+    monkeypatch.setenv(gemm_ops.BACKEND_ENV, "torch")
+    assert gemm_backend() == "torch"
+    set_gemm_backend("triton")  # the programmatic setting wins over the environment
+    assert gemm_backend() == "triton"
+    with pytest.raises(ValueError):
+        set_gemm_backend("cutlass")
+    set_gemm_backend(None)
+    monkeypatch.setenv(gemm_ops.BACKEND_ENV, "cublas")
+    with pytest.raises(ValueError, match=gemm_ops.BACKEND_ENV):
+        gemm_backend()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forced_backend_runs_that_path(backend, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm_ops.kernels, "linear_fwd", lambda *a, **k: calls.append("triton") or linear_torch(*a[:5]))
+    monkeypatch.setattr(gemm_ops, "linear_torch", lambda *a, **k: calls.append("torch") or linear_ref(*a[:5]))
+    monkeypatch.setenv(gemm_ops.BACKEND_ENV, backend)
+    x, w, b, act, r = _cases()[1]
+    ops.linear(x, w, b, act, r)
+    assert calls == [backend]
+
+
+@pytest.mark.parametrize("times,expected", [
+    ({"torch": 1.0, "triton/split_k=1": 0.9, "triton/split_k=2": 0.8}, ("triton", 2)),
+    ({"torch": 1.0, "triton/split_k=1": 0.7, "triton/split_k=2": 0.8}, ("triton", 1)),
+    ({"torch": 1.0, "triton/split_k=1": 0.99, "triton/split_k=2": 1.5}, ("torch", 1)),  # within MARGIN
+    ({"torch": 1.0, "torch_lt": 0.8, "triton/split_k=1": 0.9, "triton/split_k=2": 2.0}, ("torch_lt", 1)),
+])
+def test_measured_choice(times, expected, monkeypatch):
+    """The decision rule on CPU tensors: every candidate is warmed up (so really run), the timings
+    are stand-ins, and Triton must beat the best torch candidate by MARGIN."""
+    monkeypatch.setattr(gemm_ops.kernels, "default_split_k", lambda *a: 2)
+    seen = {}
+
+    def fake_times(candidates, device):
+        seen.update(candidates)
+        return {name: times[name] for name in candidates}
+
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", fake_times)
+    monkeypatch.setattr(gemm_ops, "cublaslt_epilogue_applies", lambda *a: "torch_lt" in times)
+    x, w, b, _, r = _cases()[1]
+    x2 = x.reshape(-1, 40)
+    key = GemmKey(16, 24, 40, "float32", "relu", True, True)
+    choice = gemm_ops._measure(key, x2, w, b, "relu", r.reshape(-1, 24))
+    assert set(seen) == set(times)
+    assert (choice.backend, choice.split_k) == expected and choice.measured
+    assert choice.times_ms == times
+
+
+def test_measure_falls_back_when_triton_fails(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(gemm_ops.kernels, "linear_fwd", broken)
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", lambda candidates, device: {n: 1.0 for n in candidates})
+    x, w, b, _, r = _cases()[1]
+    key = GemmKey(16, 24, 40, "float32", "gelu", True, True)
+    with pytest.warns(UserWarning, match="no kernel for you"):
+        choice = gemm_ops._measure(key, x, w, b, "gelu", r)
+    assert choice.backend == "torch" and "RuntimeError" in choice.note
+
+
+def test_heuristic_choice_is_deterministic():
+    bare = GemmKey(4096, 2304, 768, "float16", "none", True, False)
+    ffn1 = GemmKey(4096, 3072, 768, "float16", "gelu", True, False)
+    ffn2_small = GemmKey(16, 768, 3072, "float16", "none", True, True)
+    assert gemm_ops._heuristic_choice(bare, triton_loaded=True).backend == "torch"
+    assert gemm_ops._heuristic_choice(ffn1, triton_loaded=True).backend == "triton"
+    # a kernel never launched must not be launched inside a capture
+    assert gemm_ops._heuristic_choice(ffn1, triton_loaded=False).backend == "torch"
+    assert gemm_ops._heuristic_choice(ffn2_small, triton_loaded=True).backend == "torch"
+    assert not gemm_ops._heuristic_choice(ffn1, triton_loaded=True).measured
+
+
+def test_gemm_choices_is_a_copy():
+    choices = gemm_choices()
+    choices[GemmKey(1, 1, 1, "float32", "none", False, False)] = None
+    assert GemmKey(1, 1, 1, "float32", "none", False, False) not in gemm_choices()
