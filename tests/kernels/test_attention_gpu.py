@@ -105,10 +105,11 @@ def test_seqlen_q_ne_seqlen_k(seqlen_q, seqlen_k, dtype):
     _check(q, k, v, None, 0.125, True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mask_kind", ["bool", "fp32_min", "neg_inf", "bias"])
+# One dtype per mask kind: each combination is a separate compile, and the GPU run should stay short.
+@pytest.mark.parametrize("mask_kind, dtype", [("bool", torch.float16), ("fp32_min", torch.bfloat16),
+                                              ("neg_inf", torch.float16), ("bias", torch.bfloat16)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_masks_2d_with_fully_masked_rows(mask_kind, is_causal, dtype):
+def test_masks_2d_with_fully_masked_rows(mask_kind, dtype, is_causal):
     """(B, 1, S, S) masks: left padding (rows with no key), a masked stripe, plus causal."""
     batch, nheads, seqlen = 3, 8, 700
     q, k, v = _qkv(batch, nheads, nheads // 2, seqlen, seqlen, 64, dtype)
@@ -136,8 +137,18 @@ def test_fully_masked_rows_match_sdpa_on_gpu():
     keep[:, :, 7] = False
     ours = attention_fwd(q, k, v, keep, attention_mask_summary_fwd(keep, 300, 300), 0.125, False, True)
     assert ours[:, :, 7].eq(0).all()
-    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.125),
-                               atol=2e-3, rtol=2e-3)
+    # torch's documented semantics (math backend, as on CPU): zeros for rows with no visible key.
+    # Its CUDA memory-efficient backend returns other values there (seen on an H200, torch 2.11), so
+    # the comparison pins the math backend; every other row must agree with any backend.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, scale=0.125).half()
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
+    fast = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.125)
+    rows = torch.ones(300, dtype=torch.bool, device="cuda")
+    rows[7] = False
+    torch.testing.assert_close(ours[:, :, rows], fast[:, :, rows], atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

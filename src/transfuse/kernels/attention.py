@@ -355,7 +355,7 @@ def _attention_fwd_kernel(
             dense = (flags & 1) != 0
         first = tl.min(tl.where(entries != 0, offs_s, SUMMARY_K_POW2), axis=0)
         last = tl.max(tl.where(entries != 0, offs_s + 1, 0), axis=0)
-        first = first
+        first = tl.where(dense, 0, first)
         last = tl.where(dense, num_summary_k, last)
         lo = ((first * SUMMARY_BLOCK_N) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(hi, last * SUMMARY_BLOCK_N)
