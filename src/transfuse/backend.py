@@ -27,6 +27,12 @@ class TransfuseError(RuntimeError):
     """Bad input: the message is one line and names the fix."""
 
 
+class StaleGraph(RuntimeError):
+    """A parameter changed dtype, device or shape (`model.half()`, `model.to(...)`) but Dynamo
+    reused the graph compiled for the old one (it skips tensor guards on module parameters whose
+    module dict is unchanged). `optimize()` catches this and compiles afresh."""
+
+
 class Backend:
     """A Dynamo backend bound to one optimized model's options and records."""
 
@@ -62,9 +68,16 @@ class Backend:
         log.info("transfuse: %s", record.summary())
         ctx.example_inputs.clear()  # drop references to the real tensors
 
+        params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
+
         def compiled(*args):
-            if merged.positions:
-                merged.refresh(args)
+            for i, dt, dev, shp in params[:1] + params[-1:]:  # model.to()/half() convert every parameter
+                if args[i].dtype != dt or args[i].device != dev:
+                    raise StaleGraph("parameters changed dtype or device since this graph was compiled")
+            if merged.positions and merged.refresh(args):
+                for i, dt, dev, shp in params:
+                    if args[i].dtype != dt or args[i].device != dev or args[i].shape != shp:
+                        raise StaleGraph("a parameter changed dtype, device or shape since this graph was compiled")
             with torch.no_grad():
                 return runner(*args)
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from transfuse.backend import Backend, TransfuseError
+from transfuse.backend import Backend, StaleGraph, TransfuseError
 from transfuse.kernels._config import INTERPRET
 from transfuse.report import format_report
 
@@ -18,9 +18,18 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _State:
     def __init__(self, backend: Backend, original_forward, compiled_forward):
         self.backend = backend
+        self.backends = [backend]
         self.original_forward = original_forward
-        self.compiled_forward = compiled_forward
+        self.compiled = compiled_forward
+        self.forward = None
         self.graph_breaks_at_start = _graph_breaks()
+
+    def compile(self) -> None:
+        if self.compiled is not None:
+            self.backend = Backend(**self.backend.options)
+            self.backend.pool = self.backends[-1].pool  # one memory pool per model
+            self.backends.append(self.backend)
+        self.compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=False)
 
 
 def _graph_breaks() -> int:
@@ -68,16 +77,27 @@ def optimize(model: torch.nn.Module, *, cuda_graphs: bool = True, disable: tuple
     _check_model(model)
     if hasattr(model, _STATE):
         return model
-    backend = Backend(cuda_graphs=cuda_graphs, disable=tuple(disable), **options)
     original = model.forward
     # Until shapes are dynamic (bucketed runtime), each new shape recompiles: raise Dynamo's limit so
     # that a model seeing many shapes never drops to eager silently.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 256:
             setattr(torch._dynamo.config, name, 256)
-    compiled = torch.compile(original, backend=backend, dynamic=False)
-    model.forward = compiled
-    setattr(model, _STATE, _State(backend, original, compiled))
+    state = _State(Backend(cuda_graphs=cuda_graphs, disable=tuple(disable), **options), original, None)
+    state.compile()
+
+    def forward(*args, **kwargs):
+        try:
+            return state.compiled(*args, **kwargs)
+        except StaleGraph:
+            # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
+            state.compile()
+            return state.compiled(*args, **kwargs)
+
+    forward.__wrapped__ = original
+    model.forward = forward
+    state.forward = forward
+    setattr(model, _STATE, state)
     return model
 
 
@@ -86,11 +106,11 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model, _STATE, None)
     if state is None:
         return model
-    merged = set().union(*(m.storages() for m in state.backend.merged)) if state.backend.merged else set()
+    merged = set().union(*(m.storages() for b in state.backends for m in b.merged))
     for p in model.parameters():
         if p.untyped_storage().data_ptr() in merged:
             p.data = p.data.clone()
-    if model.__dict__.get("forward") is state.compiled_forward:
+    if model.__dict__.get("forward") is state.forward:
         del model.__dict__["forward"]
     delattr(model, _STATE)
     return model
@@ -101,6 +121,7 @@ def report(model: torch.nn.Module) -> str:
     state = getattr(model, _STATE, None)
     if state is None:
         return "transfuse: this model was not optimized (call transfuse.optimize(model))"
-    text = format_report(state.backend.records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start)
+    records = [r for b in state.backends for r in b.records]
+    text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start)
     log.info(text)
     return text

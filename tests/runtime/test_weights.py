@@ -50,3 +50,19 @@ def test_replaced_parameter_is_seen():
     with torch.no_grad():
         ref = model(input_ids=ids).last_hidden_state
     assert rel_err(out, ref) < 1e-5
+
+
+def test_dtype_change_after_optimize_recompiles():
+    """model.half() after optimize: correct in the new dtype, whether Dynamo's guards catch the change
+    (as on CPU) or transfuse's own check does (seen on an H200, where Dynamo reused the old graph)."""
+    model, ids = _model_and_inputs()
+    reference = REGISTRY[0].build("sdpa")
+    reference.load_state_dict(model.state_dict())
+    transfuse.optimize(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+        model.half()
+        out = model(input_ids=ids).last_hidden_state
+        ref = reference(input_ids=ids).last_hidden_state
+    assert out.dtype == torch.float16
+    assert rel_err(out, ref) < 5e-3

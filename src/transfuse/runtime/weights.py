@@ -41,11 +41,8 @@ class MergedWeights:
 
     @staticmethod
     def _copy_in(param: torch.Tensor, view: torch.Tensor) -> None:
-        if param.shape != view.shape or param.dtype != view.dtype:
-            raise RuntimeError(
-                "transfuse: a merged parameter changed shape or dtype in place; call transfuse.restore(model) "
-                "and optimize again"
-            )
+        if param.shape != view.shape or param.dtype != view.dtype or param.device != view.device:
+            return  # not ours to fix: the caller sees the changed parameter and recompiles
         with torch.no_grad():
             view.copy_(param.detach())
         param.data = view
