@@ -98,8 +98,10 @@ def _graph_safe(gm: fx.GraphModule, example_inputs) -> bool:
     return all(not isinstance(t, torch.Tensor) or t.is_cuda for t in example_inputs)
 
 
-def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+def check_device(tensors) -> None:
+    """The one device rule for optimize() and the backend: a CUDA GPU of compute capability 8.0+,
+    or CPU tensors under Triton's interpreter."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if any(t.is_cuda for t in tensors):
         device = next(t.device for t in tensors if t.is_cuda)
         major, minor = torch.cuda.get_device_capability(device)
@@ -113,6 +115,10 @@ def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
             "transfuse: the model is on the CPU; move it to a CUDA GPU (model.cuda()), or set "
             "TRITON_INTERPRET=1 before importing transfuse to run the kernels through Triton's interpreter"
         )
+
+
+def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
+    check_device(example_inputs)
     for node in gm.graph.nodes:
         if kind(node) == "dropout" and arg(node, 2, "training", True) is True and scalar(arg(node, 1, "p", 0.5)) != 0.0:
             raise TransfuseError("transfuse: the model is in training mode; call model.eval() first (training is not supported yet)")

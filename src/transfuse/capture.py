@@ -6,8 +6,7 @@ import logging
 
 import torch
 
-from transfuse.backend import Backend, StaleGraph, TransfuseError
-from transfuse.kernels._config import INTERPRET
+from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.report import format_report
 
 log = logging.getLogger("transfuse")
@@ -43,21 +42,7 @@ def _check_model(model: torch.nn.Module) -> None:
         raise TransfuseError(f"transfuse.optimize expects a torch.nn.Module, got {type(model).__name__}")
     if model.training:
         raise TransfuseError("transfuse.optimize: the model is in training mode; call model.eval() first (training is not supported yet)")
-    tensors = list(model.parameters()) + list(model.buffers())
-    devices = {t.device.type for t in tensors}
-    if "cuda" in devices:
-        device = next(t.device for t in tensors if t.is_cuda)
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            raise TransfuseError(
-                f"transfuse needs a GPU of compute capability 8.0 or newer (this one is {major}.{minor}); "
-                "run the model without transfuse"
-            )
-    elif tensors and not INTERPRET:
-        raise TransfuseError(
-            "transfuse.optimize: the model is on the CPU; move it to a CUDA GPU (model.cuda()), or set "
-            "TRITON_INTERPRET=1 before importing transfuse to run the kernels through Triton's interpreter"
-        )
+    check_device(list(model.parameters()) + list(model.buffers()))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     unsupported = dtypes - set(SUPPORTED_DTYPES)
     if unsupported:
