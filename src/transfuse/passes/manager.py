@@ -36,6 +36,7 @@ class PassContext:
     rejections: list[Rejection] = dataclasses.field(default_factory=list)
     # Weight groups merged into one buffer: the runtime keeps them current (see runtime/weights.py).
     merged_weights: list = dataclasses.field(default_factory=list)
+    _placeholders: dict | None = None  # placeholder node -> input position (placeholders never move)
 
     def matched(self, pattern: str, count: int = 1) -> None:
         self.rewrites[pattern] += count
@@ -47,8 +48,9 @@ class PassContext:
         """The real tensor a placeholder stands for at compile time (parameters, buffers)."""
         if node.op != "placeholder":
             return None
-        index = [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(node)
-        value = self.example_inputs[index]
+        if self._placeholders is None:
+            self._placeholders = {n: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
+        value = self.example_inputs[self._placeholders[node]]
         return value if isinstance(value, torch.Tensor) else None
 
 

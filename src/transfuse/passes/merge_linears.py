@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, kind, static_inputs, tensor_meta
+from transfuse.passes.graph import arg, kind, node_order, static_inputs, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "SiblingLinears"
@@ -65,7 +65,8 @@ def _merge(ctx: PassContext, x: fx.Node, members: list[fx.Node]) -> str | None:
         ctx.merged_weights.append(([statics[arg(m, 2, "bias")] for m in members], biases, fused_b))
 
     graph = ctx.gm.graph
-    first = min(members, key=lambda m: list(graph.nodes).index(m))
+    order = node_order(graph)
+    first = min(members, key=order.__getitem__)
     name_w = _register(ctx.gm, fused_w)
     name_b = _register(ctx.gm, fused_b) if fused_b is not None else None
     with graph.inserting_before(first):
