@@ -69,9 +69,10 @@ class Backend:
         ctx.example_inputs.clear()  # drop references to the real tensors
 
         params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
+        sentinels = params[:1] + params[-1:]  # model.to()/half() convert every parameter: two suffice
 
         def compiled(*args):
-            for i, dt, dev, shp in params[:1] + params[-1:]:  # model.to()/half() convert every parameter
+            for i, dt, dev, shp in sentinels:
                 if args[i].dtype != dt or args[i].device != dev:
                     raise StaleGraph("parameters changed dtype or device since this graph was compiled")
             if merged.positions and merged.refresh(args):

@@ -237,10 +237,10 @@ def _check_operands(spec: dict) -> None:
             raise Reject(f"mask has {mt.dim()} dims for {q.dim()}-D scores")
         scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
         try:
-            torch.broadcast_shapes(tuple(mt.shape), scores)
+            broadcast = torch.broadcast_shapes(tuple(mt.shape), scores)
         except RuntimeError as e:
             raise Reject(f"mask shape {tuple(mt.shape)} does not broadcast to the scores") from e
-        if torch.broadcast_shapes(tuple(mt.shape), scores) != scores:
+        if broadcast != scores:
             raise Reject("mask broadcasts the scores to a larger shape")
         if mt.dtype != torch.bool and not mt.dtype.is_floating_point:
             raise Reject(f"mask dtype {mt.dtype}")
