@@ -15,8 +15,10 @@ import torch.fx as fx
 from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
 from transfuse.kernels._config import INTERPRET
 from transfuse.passes.graph import arg, kind, scalar, static_inputs
-from transfuse.passes.manager import PassContext, run_passes
+from transfuse.passes.manager import PassContext, Rejection, run_passes
+from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
+from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
 from transfuse.runtime.cuda_graphs import CudaGraphRunner, GraphPool
 from transfuse.runtime.weights import MergedWeights
 
@@ -53,7 +55,15 @@ class Backend:
         self.merged.append(merged)
         static = sorted(static_inputs(gm).values())
         use_graphs = self.options.get("cuda_graphs", True) and _on_cuda(example_inputs) and _graph_safe(gm, example_inputs)
-        runner = CudaGraphRunner(gm, static, self.pool) if use_graphs else gm
+        plan = plan_padding(gm) if self.options.get("buckets", None) is not False else None
+        if plan is not None:
+            for symbol, reason in sorted(plan.refused.items(), key=str):
+                ctx.rejections.append(Rejection("BucketPadding", plan.names[symbol], reason + "; run at its exact size"))
+        if plan is not None and plan.paddable:
+            policy = BucketPolicy(self.options.get("buckets"))
+            runner = PaddedRunner(gm, plan, static, self.pool, policy, use_graphs, self.options.get("max_graphs", 32))
+        else:
+            runner = CudaGraphRunner(gm, static, self.pool) if use_graphs else gm
         self.runners.append(runner)
         record = GraphRecord(
             rewrites=dict(ctx.rewrites),

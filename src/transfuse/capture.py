@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.utils._pytree as pytree
 
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.report import format_report
+from transfuse.runtime.buckets import BucketPolicy
+from transfuse.runtime.warmup import run_warmup
 
 log = logging.getLogger("transfuse")
 _STATE = "_transfuse_state"
@@ -28,7 +31,8 @@ class _State:
             self.backend = Backend(**self.backend.options)
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
             self.backends.append(self.backend)
-        self.compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=False)
+        dynamic = None if self.backend.options.get("dynamic", True) else False
+        self.compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic)
 
 
 def _graph_breaks() -> int:
@@ -52,26 +56,52 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
-def optimize(model: torch.nn.Module, *, cuda_graphs: bool = True, disable: tuple[str, ...] = (), **options) -> torch.nn.Module:
-    """Optimize `model` in place and return it: its forward is captured by TorchDynamo and rewritten
-    to transfuse kernels on its first call (and on each new input shape).
+def optimize(
+    model: torch.nn.Module,
+    *,
+    cuda_graphs: bool = True,
+    dynamic: bool = True,
+    buckets: list[int] | bool | None = None,
+    max_graphs: int = 32,
+    warmup: list | None = None,
+    disable: tuple[str, ...] = (),
+    **options,
+) -> torch.nn.Module:
+    """Optimize `model` in place and return it: its forward is captured by TorchDynamo on the first
+    call and rewritten to transfuse kernels.
 
-    cuda_graphs: replay each input shape as one CUDA graph (GPU only).
+    cuda_graphs: replay the forward as CUDA graphs (GPU only).
+    dynamic: trace batch and sequence dimensions symbolically (one trace for every shape); False
+        traces each new shape anew.
+    buckets: sizes that dynamic dimensions are padded up to, one CUDA graph per bucket; None means
+        powers of two (capped at what the model allows, e.g. its position table); False disables
+        padding (a graph per exact shape).
+    max_graphs: how many bucket graphs are kept (least recently used ones are dropped).
+    warmup: shapes to capture now, with a progress bar: (batch, seq) pairs for Hugging Face models,
+        or dicts of keyword arguments / tuples of positional arguments for any model.
     disable: names of passes to skip (see transfuse.passes.manager.registry()).
     """
     _check_model(model)
     if hasattr(model, _STATE):
         return model
+    if max_graphs < 1:
+        raise TransfuseError(f"transfuse.optimize: max_graphs must be at least 1, got {max_graphs}")
+    if buckets not in (None, False):
+        BucketPolicy(buckets)  # validates now, with a clear message
     original = model.forward
-    # Until shapes are dynamic (bucketed runtime), each new shape recompiles: raise Dynamo's limit so
-    # that a model seeing many shapes never drops to eager silently.
+    # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
+    # many shapes never drops to eager silently.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 256:
             setattr(torch._dynamo.config, name, 256)
-    state = _State(Backend(cuda_graphs=cuda_graphs, disable=tuple(disable), **options), original, None)
+    backend = Backend(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
+                      disable=tuple(disable), **options)
+    state = _State(backend, original, None)
     state.compile()
 
     def forward(*args, **kwargs):
+        if dynamic:
+            _mark_dynamic(args, kwargs)
         try:
             return state.compiled(*args, **kwargs)
         except StaleGraph:
@@ -83,7 +113,18 @@ def optimize(model: torch.nn.Module, *, cuda_graphs: bool = True, disable: tuple
     model.forward = forward
     state.forward = forward
     setattr(model, _STATE, state)
+    if warmup:
+        run_warmup(model, warmup)
     return model
+
+
+def _mark_dynamic(args, kwargs) -> None:
+    """Every dimension of every input tensor may vary; Dynamo keeps static what the model fixes
+    (a hidden size that meets a weight) and makes the rest symbolic."""
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            for d in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from transfuse.passes.graph import kind, tensor_meta
+from transfuse.passes.graph import hint, kind, tensor_meta
 
 
 @dataclasses.dataclass
@@ -28,7 +28,12 @@ class GraphRecord:
 
 
 def _numel(t) -> int:
-    return math.prod(t.shape) if t is not None else 0
+    return math.prod(_dims(t)) if t is not None else 0
+
+
+def _dims(t) -> list[int]:
+    # Dynamic dimensions count at the traced example's sizes.
+    return [hint(s) for s in t.shape]
 
 
 def node_flops(node: fx.Node) -> float:
@@ -40,17 +45,17 @@ def node_flops(node: fx.Node) -> float:
         x, w = tensor_meta(node.args[0]), tensor_meta(node.args[1])
         if x is None or w is None:
             return 0.0
-        return 2.0 * _numel(x) / x.shape[-1] * w.shape[0] * w.shape[1]
+        return 2.0 * _numel(x) / _dims(x)[-1] * w.shape[0] * w.shape[1]
     if kind(node) == "matmul":
         out, a = tensor_meta(node), tensor_meta(node.args[0])
         if out is None or a is None:
             return 0.0
-        return 2.0 * _numel(out) * a.shape[-1]
+        return 2.0 * _numel(out) * _dims(a)[-1]
     if kind(node) == "sdpa" or target.startswith("transfuse.attention.default"):
         q, k = tensor_meta(node.args[0]), tensor_meta(node.args[1])
         if q is None or k is None:
             return 0.0
-        return 4.0 * _numel(q) * k.shape[-2]
+        return 4.0 * _numel(q) * _dims(k)[-2]
     return 0.0
 
 

@@ -338,3 +338,23 @@ def test_bad_arguments(device):
         attention_fwd(q, k, v, mask, attention_mask_summary_fwd(mask, 9, 200), 0.25, False, True)
     with pytest.raises(ValueError):
         attention_fwd(q, k[:, :1].expand(1, 3, 9, 16)[:, :3], v, None, None, 0.25, False, True)
+
+
+# ---- key_len: the keys of a padded batch end early --------------------------------------------
+
+@pytest.mark.parametrize("mask_name", [None, "bool_pad_B11S", "add_min_11QS", "add_bias_BHQS"])
+@pytest.mark.parametrize("key_len", [1, 70, 129])
+def test_key_len_ignores_padded_keys(mask_name, key_len, device):
+    """Keys from key_len on are padding: never attended, never read (NaN there changes nothing),
+    and the real keys give what the unpadded problem gives."""
+    mask = _mask_forms(device)[mask_name] if mask_name else None
+    q, k, v = _qkv(B, H, H, SQ, SK, 32, torch.float32, device)
+    k[:, :, key_len:] = float("nan")
+    v[:, :, key_len:] = float("nan")
+    summary = attention_mask_summary_fwd(mask, SQ, SK) if mask is not None else None
+    n = torch.tensor([key_len], dtype=torch.int32, device=device)
+    for is_causal, masked_rows_zero in [(False, True), (True, False)]:
+        out = attention_fwd(q, k, v, mask, summary, 0.2, is_causal, masked_rows_zero, key_len=n)
+        ref = attention_ref(q, k, v, mask, 0.2, is_causal, masked_rows_zero, key_len=key_len)
+        assert torch.equal(out.isnan(), ref.isnan())
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, equal_nan=True)

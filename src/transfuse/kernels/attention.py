@@ -284,9 +284,11 @@ def _attention_fwd_kernel(
     out_ptr, stride_out_batch, stride_out_head, stride_out_seq,
     mask_ptr, stride_mask_batch, stride_mask_head, stride_mask_q, stride_mask_k,
     summary_ptr, stride_summary_batch, stride_summary_head, stride_summary_qblock,
+    key_len_ptr,
     nheads, kv_group, seqlen_q, seqlen_k, num_summary_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -334,6 +336,9 @@ def _attention_fwd_kernel(
         q = q.to(tl.float32)
 
     # ---- key range: causal end, whole blocks before the sequence end / diagonal, summary skipping
+    if HAS_KEY_LEN:
+        # A padded batch (runtime/buckets.py): keys from key_len on are padding, never read.
+        seqlen_k = tl.minimum(seqlen_k, tl.load(key_len_ptr))
     hi = seqlen_k
     full_end = (seqlen_k // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
@@ -559,6 +564,7 @@ def attention_fwd(
     scale: float,
     is_causal: bool,
     masked_rows_zero: bool,
+    key_len: torch.Tensor | None = None,
     autotune: bool = False,
 ) -> torch.Tensor:
     """softmax(scale * q @ k^T + mask) @ v; see the module docstring for shapes and semantics.
@@ -579,7 +585,9 @@ def attention_fwd(
         raise TypeError(f"attention supports {_DTYPES} with one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask_summary is not None and mask is None:
         raise ValueError("mask_summary given without mask")
-    for name, t in (("k", k), ("v", v), ("mask", mask), ("mask_summary", mask_summary)):
+    if key_len is not None and (key_len.numel() != 1 or key_len.dtype != torch.int32):
+        raise ValueError(f"key_len must be one int32 element, got {tuple(key_len.shape)} / {key_len.dtype}")
+    for name, t in (("k", k), ("v", v), ("mask", mask), ("mask_summary", mask_summary), ("key_len", key_len)):
         if t is not None and t.device != q.device:
             raise ValueError(f"attention: {name} is on {t.device}, q on {q.device}")
 
@@ -632,11 +640,13 @@ def attention_fwd(
         out, out.stride(0), out.stride(1), out.stride(2),
         mask_arg, stride_mb, stride_mh, stride_mq, stride_mk,
         summary_arg, stride_sb, stride_sh, stride_sq,
+        key_len if key_len is not None else q,  # never read without HAS_KEY_LEN
         nheads, nheads // nheads_kv, seqlen_q, seqlen_k, num_summary_k, float(scale),
         bucket_q, bucket_k,
     )
     flags = dict(
         HEAD_DIM=head_dim,
+        HAS_KEY_LEN=key_len is not None,
         BLOCK_D=block_d,
         IS_CAUSAL=bool(is_causal),
         HAS_MASK=has_mask,

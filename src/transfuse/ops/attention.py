@@ -1,13 +1,15 @@
 """torch.ops.transfuse.attention and torch.ops.transfuse.attention_mask_summary (forward only, eval).
 
     attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mask_summary, float scale,
-              bool is_causal, bool masked_rows_zero) -> Tensor
+              bool is_causal, bool masked_rows_zero, Tensor? key_len=None) -> Tensor
     attention_mask_summary(Tensor mask, int seqlen_q, int seqlen_k) -> Tensor
 
 Shapes, mask forms and the numerics of fully masked rows are documented in
 transfuse.kernels.attention. The output of `attention` is (batch, nheads, seqlen_q, headdim) with the
 memory of a contiguous (batch, seqlen_q, nheads, headdim); the fake implementation returns the same
 strides. The summary is computed once per forward and shared by every layer that uses the same mask.
+`key_len` (one int32 on the device) ends the keys early: the runtime pads batches to a bucket and
+the padded keys must not be attended to, whatever the mask says.
 """
 
 import torch
@@ -30,12 +32,13 @@ def attention(
     scale: float,
     is_causal: bool,
     masked_rows_zero: bool,
+    key_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention_fwd(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero)
+    return attention_fwd(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero):
+def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len=None):
     return attention_empty_out(q)
 
 

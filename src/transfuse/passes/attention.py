@@ -31,6 +31,7 @@ from transfuse.passes.graph import (
     kind,
     scalar,
     shape,
+    size_arg,
     single_user,
     tensor_meta,
 )
@@ -268,14 +269,22 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
     summary = None
     if mask is not None:
         seq_q, seq_k = q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2]
-        key = (mask, seq_q, seq_k)
+        sizes = (size_arg(graph, seq_q), size_arg(graph, seq_k))
+        if None in sizes:
+            # A sequence length that is an expression of Dynamo's symbols: measure it here, per layer.
+            with graph.inserting_before(out):
+                sizes = (graph.call_method("size", (q, -2)), graph.call_method("size", (v, -2)))
+            for node, size in zip(sizes, (seq_q, seq_k)):
+                node.meta["example_value"] = size
+            anchor, key = sizes[1], None
+        else:
+            anchor, key = mask, (mask, str(seq_q), str(seq_k))
         summary = summaries.get(key)
         if summary is None:
-            with graph.inserting_after(mask):
-                summary = graph.call_function(
-                    torch.ops.transfuse.attention_mask_summary.default, (mask, seq_q, seq_k)
-                )
-            summaries[key] = summary
+            with graph.inserting_after(anchor):
+                summary = graph.call_function(torch.ops.transfuse.attention_mask_summary.default, (mask, *sizes))
+            if key is not None:
+                summaries[key] = summary
     with graph.inserting_before(out):
         new = graph.call_function(
             torch.ops.transfuse.attention.default,

@@ -218,3 +218,49 @@ def remove_dead_code(graph: fx.Graph) -> None:
 
 def _is_transfuse_op(node: fx.Node) -> bool:
     return "transfuse" in str(getattr(node.target, "namespace", "")) or str(node.target).startswith("transfuse.")
+
+
+# --------------------------------------------------------------------------------------------
+# Symbolic shapes: with dynamic batch/sequence dimensions a size is a SymInt (a sympy expression
+# over Dynamo's symbols) instead of an int. Passes compare sizes without adding guards.
+
+
+def symbols_of(size: Any) -> frozenset:
+    """The sympy symbols a size depends on (empty for a plain int)."""
+    if isinstance(size, torch.SymInt):
+        return frozenset(size.node.expr.free_symbols)
+    return frozenset()
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """True when two sizes are equal for every value of their symbols (no guard is added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def size_arg(graph: fx.Graph, size: Any) -> Any:
+    """`size` as a graph argument: an int as itself; a SymInt as the placeholder Dynamo lifted for
+    it (None when the size is an expression no placeholder holds)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = size.node.expr
+    for node in graph.find_nodes(op="placeholder"):
+        v = value(node)
+        if isinstance(v, torch.SymInt) and v.node.expr == expr:
+            return node
+    return None
+
+
+def hint(size: Any) -> int:
+    """A size's value in the example Dynamo traced (the int itself when static). Only for checks
+    whose answer cannot depend on the value, such as whether a view of a column slice exists."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint) if size.node.hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+    return int(size)

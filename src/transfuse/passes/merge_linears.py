@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, kind, node_order, static_inputs, tensor_meta
+from transfuse.passes.graph import arg, hint, kind, node_order, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
 
 PATTERN = "SiblingLinears"
@@ -131,15 +131,17 @@ def _views_stay_valid(member: fx.Node, offset: int, size: int, total: int) -> bo
     meta = tensor_meta(member)
     if meta is None:
         return False
-    fused = torch.empty(meta.shape[:-1] + (total,), device="meta", dtype=meta.dtype)
+    # Sizes at their traced values: whether the view exists depends on the layout, not the values.
+    fused = torch.empty([hint(s) for s in meta.shape[:-1]] + [total], device="meta", dtype=meta.dtype)
     part = fused.narrow(-1, offset, size)
     for user in member.users:
         if kind(user) == "view":
             dims = user.args[1:] if len(user.args) > 2 or not isinstance(user.args[1], (list, tuple)) else user.args[1]
-            if any(isinstance(d, fx.Node) for d in dims):
+            dims = [value(d) if isinstance(d, fx.Node) else d for d in dims]
+            if any(not isinstance(d, (int, torch.SymInt)) for d in dims):
                 return False
             try:
-                part.view(*dims)
+                part.view(*[hint(d) for d in dims])
             except RuntimeError:
                 return False
         elif kind(user) is None and user.op != "call_function":

@@ -23,15 +23,21 @@ def attention_ref(
     scale: float,
     is_causal: bool,
     masked_rows_zero: bool,
+    key_len: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q @ k^T + mask) @ v computed in fp32, returned in q.dtype, contiguous.
 
     bool mask -> -inf where False (as F.scaled_dot_product_attention does); additive mask -> added in
     fp32; causal is top-left aligned (query i sees keys j <= i). `masked_rows_zero` gives 0 for rows
     whose every score is -inf (SDPA's behaviour); otherwise such rows are NaN (plain softmax).
+    `key_len`: only the first key_len keys exist (the rest is padding).
     """
+    if key_len is not None:
+        k, v = k[:, :, :key_len], v[:, :, :key_len]
+        if mask is not None and mask.shape[-1] != 1:
+            mask = mask[..., :key_len]
     batch, nheads, seqlen_q, _ = q.shape
-    nheads_kv, seqlen_k = k.shape[1], k.shape[2]
+    nheads_kv = k.shape[1]
     group = nheads // nheads_kv
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
@@ -44,7 +50,7 @@ def attention_ref(
         else:
             scores = scores + mask.float()
     if is_causal:
-        above = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).triu(1)
+        above = torch.ones(seqlen_q, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if masked_rows_zero:

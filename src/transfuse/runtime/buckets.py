@@ -1,0 +1,198 @@
+"""Any input shape from a few CUDA graphs: pad dynamic dimensions up to a bucket, slice outputs back.
+
+Dynamo traces the model once with symbolic batch and sequence sizes; passes/padding.py decides which
+of those symbols may be padded without touching the real outputs. At each call this runner
+
+1. reads the real size of every symbol from the inputs,
+2. rounds each paddable one up to its bucket (powers of two by default, never past the largest value
+   the graph's guards allow, e.g. the position table),
+3. replays the CUDA graph captured for that bucket (capturing it on first use; an LRU cap bounds how
+   many are kept) after copying the inputs into the leading corner of its static buffers and
+   writing the real key lengths that attention reads,
+4. returns the leading corner of each output, cloned (a later call never overwrites it).
+
+A size beyond the largest bucket runs without a graph at its exact size; so does every call on a
+device without CUDA graphs (the interpreter), where the padding is still applied so that CPU tests
+exercise exactly what the GPU does. The padded part of the static buffers keeps whatever an earlier
+call left there: real values of earlier inputs, never read as keys (attention stops at key_len), and
+only ever flowing into padded rows of the outputs, which are sliced away.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from transfuse.passes.padding import PaddingPlan
+from transfuse.runtime.cuda_graphs import GraphPool, _Captured
+
+
+class BucketPolicy:
+    """Bucket sizes for one dimension: the next power of two, or the next size of a given list."""
+
+    def __init__(self, sizes: list[int] | None = None):
+        if sizes is not None and (not sizes or any(int(s) < 1 for s in sizes)):
+            raise ValueError(f"buckets must be a non-empty list of positive sizes, got {sizes!r}")
+        self.sizes = sorted({int(s) for s in sizes}) if sizes is not None else None
+
+    def __call__(self, n: int, upper: int | None) -> int | None:
+        """The bucket for size `n`, or None when `n` is beyond the largest bucket."""
+        if self.sizes is None:
+            bucket = 1 << max(0, n - 1).bit_length()
+        else:
+            bucket = next((s for s in self.sizes if s >= n), None)
+            if bucket is None:
+                return None
+        return min(bucket, upper) if upper is not None and n <= upper else bucket
+
+
+@dataclasses.dataclass
+class BucketStats:
+    calls: int = 0
+    real: int = 0    # product of the real sizes, summed over calls
+    padded: int = 0  # product of the bucket sizes, summed over calls
+
+
+class PaddedRunner:
+    """Callable for Dynamo: pads to buckets, replays one graph per bucket (see the module docstring)."""
+
+    def __init__(self, fn: Callable, plan: PaddingPlan, static_indices: list[int], pool: GraphPool,
+                 policy: BucketPolicy, use_graphs: bool, max_graphs: int):
+        self.fn = fn
+        self.plan = plan
+        self.static_indices = static_indices
+        self.pool = pool
+        self.policy = policy
+        self.use_graphs = use_graphs
+        self.max_graphs = max_graphs
+        self.symbols = sorted(plan.names, key=str)
+        self.graphs: collections.OrderedDict = collections.OrderedDict()
+        self.stats: dict[tuple, BucketStats] = collections.defaultdict(BucketStats)
+        self.exact_calls = 0  # calls beyond the largest bucket (run without a graph)
+        self.evicted = 0
+        self.n_inputs = None
+        self._dims_of_input: dict[int, list] = collections.defaultdict(list)
+        for i, d, s in plan.tensor_dims:
+            self._dims_of_input[i].append((d, s))
+
+    # ---- sizes
+    def _real_sizes(self, args) -> dict:
+        real = {}
+        for i, s in self.plan.sym_args.items():
+            real[s] = int(args[i])
+        for i, d, s in self.plan.tensor_dims:
+            real.setdefault(s, args[i].shape[d])
+        return real
+
+    def _targets(self, real: dict) -> dict | None:
+        target = {}
+        for s, n in real.items():
+            if s in self.plan.paddable:
+                b = self.policy(n, self.plan.upper.get(s))
+                if b is None:
+                    return None
+                target[s] = b
+            else:
+                target[s] = n
+        return target
+
+    # ---- arguments
+    def _set_key_lens(self, real: dict) -> None:
+        for s, buffer in self.plan.key_lens:
+            buffer.fill_(real[s])  # an asynchronous fill: no host synchronisation
+
+    def _padded_args(self, args, real: dict, target: dict) -> list:
+        out = list(args)
+        for i, s in self.plan.sym_args.items():
+            out[i] = target[s]
+        for i, dims in self._dims_of_input.items():
+            a = args[i]
+            shape = list(a.shape)
+            for d, s in dims:
+                shape[d] = target[s]
+            if shape != list(a.shape):
+                buf = a.new_zeros(shape)
+                if not a.is_floating_point() and a.numel():
+                    # Integer inputs may be indices (token ids): pad with a value the input has.
+                    buf.copy_(a.reshape(-1)[:1].reshape([1] * a.dim()).expand(shape))
+                buf[self._corner(a.shape)].copy_(a)
+                out[i] = buf
+        return out
+
+    @staticmethod
+    def _corner(shape) -> tuple:
+        return tuple(slice(0, n) for n in shape)
+
+    def _slice_outputs(self, outputs, real: dict, target: dict, clone: bool):
+        result = []
+        for out, dims in zip(outputs, self.plan.output_dims):
+            if isinstance(out, torch.Tensor) and dims is not None:
+                index = [slice(None)] * out.dim()
+                trimmed = False
+                for d, s in dims:
+                    if target[s] != real[s]:
+                        index[d] = slice(0, real[s])
+                        trimmed = True
+                if trimmed:
+                    out = out[tuple(index)]
+                if clone or trimmed:
+                    out = out.clone()
+            result.append(out)
+        return type(outputs)(result) if isinstance(outputs, tuple) else result
+
+    # ---- calls
+    def __call__(self, *args):
+        real = self._real_sizes(args)
+        target = self._targets(real)
+        if target is None:  # beyond the largest bucket: exact size, no graph
+            self.exact_calls += 1
+            self._set_key_lens(real)
+            return self.fn(*args)
+        key = tuple(target[s] for s in self.symbols)
+        stats = self.stats[key]
+        stats.calls += 1
+        stats.real += math.prod(real.values())
+        stats.padded += math.prod(target.values())
+        self._set_key_lens(real)
+        if not self.use_graphs:
+            outputs = self.fn(*self._padded_args(args, real, target))
+            return self._slice_outputs(outputs, real, target, clone=False)
+        captured = self.graphs.get(key)
+        if captured is None or not captured.still_valid(args):
+            captured = self._capture(key, args, real, target)
+            self._set_key_lens(real)  # the capture's warm-up ran with them; replay reads them again
+        else:
+            self.graphs.move_to_end(key)
+        self._fill(captured, args, real)
+        captured.graph.replay()
+        return self._slice_outputs(captured.outputs, real, target, clone=True)
+
+    def _capture(self, key, args, real, target) -> _Captured:
+        captured = _Captured(self.fn, self._padded_args(args, real, target), self.static_indices, self.pool)
+        captured.buffers = dict(captured.inputs)
+        self.graphs[key] = captured
+        self.graphs.move_to_end(key)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.evicted += 1
+        return captured
+
+    def _fill(self, captured: _Captured, args, real: dict) -> None:
+        for i, buf in captured.inputs:
+            if i in self._dims_of_input:
+                buf[self._corner(args[i].shape)].copy_(args[i])
+            else:
+                buf.copy_(args[i])
+
+    def bucket_report(self) -> list[str]:
+        lines = []
+        names = [self.plan.names[s] for s in self.symbols]
+        for key, st in sorted(self.stats.items()):
+            sizes = ", ".join(f"{n}={v}" for n, v in zip(names, key))
+            overhead = st.padded / st.real - 1 if st.real else 0.0
+            lines.append(f"{sizes}: {st.calls} call(s), padding +{overhead:.0%}")
+        return lines
