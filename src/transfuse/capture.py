@@ -32,7 +32,10 @@ class _State:
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
             self.backends.append(self.backend)
         dynamic = None if self.backend.options.get("dynamic", True) else False
-        self.compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic)
+        compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic)
+        # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
+        # also make a head count symbolic when a second model of the same class has another one.
+        self.compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
 
 
 def _graph_breaks() -> int:
@@ -148,6 +151,7 @@ def report(model: torch.nn.Module) -> str:
     if state is None:
         return "transfuse: this model was not optimized (call transfuse.optimize(model))"
     records = [r for b in state.backends for r in b.records]
-    text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start)
+    runners = [r for b in state.backends for r in b.runners]
+    text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     log.info(text)
     return text

@@ -68,13 +68,13 @@ def compute_flops(gm: fx.GraphModule, transfuse_only: bool = False) -> float:
     return total
 
 
-def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | None = None) -> str:
+def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | None = None, runners=()) -> str:
     if not records:
         return "transfuse: nothing compiled yet (call the model once)"
     rewrites: Counter = Counter()
     for r in records:
         rewrites.update(r.rewrites)
-    lines = [f"transfuse report: {len(records)} graph(s) compiled"]
+    lines = [f"transfuse report: {len(records)} graph(s) compiled (Dynamo traces; {len(records) - 1} after the first)"]
     if graph_breaks is not None:
         lines.append(f"  graph breaks: {graph_breaks}")
     lines.append("  rewrites:")
@@ -96,4 +96,11 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
             f"    captured {pool.graphs_captured}, pool ~{pool.bytes_reserved / 2**20:.1f} MiB, "
             f"capture time {pool.capture_seconds:.2f} s"
         )
+    for runner in runners:
+        if hasattr(runner, "bucket_report"):
+            kept = f", {len(runner.graphs)} kept" if runner.use_graphs else ""
+            lines.append(f"  buckets ({len(runner.stats)} used{kept}, {runner.evicted} evicted):")
+            lines.extend(f"    {line}" for line in runner.bucket_report())
+            if runner.exact_calls:
+                lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
     return "\n".join(lines)

@@ -82,7 +82,6 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
             expr = v.node.expr
             if isinstance(expr, sympy.Symbol):
                 sym_args[i] = expr
-                names.setdefault(expr, str(expr))
         elif isinstance(v, torch.Tensor) and node not in statics:
             for d, size in enumerate(v.shape):
                 if not isinstance(size, torch.SymInt):
@@ -90,10 +89,12 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
                 expr = size.node.expr
                 if isinstance(expr, sympy.Symbol):
                     tensor_dims.append((i, d, expr))
-                    names[expr] = f"{_readable(node.name)}.size({d})"
+                    names.setdefault(expr, f"{_readable(node.name)}.size({d})")
                 else:
                     for s in expr.free_symbols:
                         refused.setdefault(s, f"input '{node.name}' has a dimension {expr}")
+    for expr in sym_args.values():
+        names.setdefault(expr, str(expr))
     symbols = set(names)
     if not symbols:
         return None

@@ -1,0 +1,171 @@
+"""Bucketed padding (runtime/buckets.py + passes/padding.py) on the CPU: the padded run gives exactly
+what eager gives, for random shapes and masks, without a new Dynamo trace per shape; what cannot be
+padded is refused by meaning and runs at its exact size."""
+
+import random
+
+import pytest
+import torch
+
+import transfuse
+from tests.helpers import rel_err
+from tests.models.registry import REGISTRY
+from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
+
+BERT = REGISTRY[0]
+
+
+def _runners(model):
+    return [r for b in model._transfuse_state.backends for r in b.runners]
+
+
+def _buckets(runner, name: str) -> set:
+    """(batch, seq) of every bucket used, read through the runner's names of its symbols."""
+    names = [runner.plan.names[s] for s in runner.symbols]
+    out = set()
+    for key in runner.stats:
+        sizes = dict(zip(names, key))
+        out.add((sizes[f"{name}.size(0)"], sizes[f"{name}.size(1)"]))
+    return out
+
+
+def _traces(model) -> int:
+    return sum(len(b.records) for b in model._transfuse_state.backends)
+
+
+def _random_inputs(vocab, batch, seq, rng, with_mask=True):
+    ids = torch.randint(3, vocab, (batch, seq))
+    if not with_mask:
+        return {"input_ids": ids}
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row in range(batch):
+        mask[row, rng.randint(1, seq):] = 0 if rng.random() < 0.5 else 1  # random right padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_random_shapes_match_eager_with_one_trace(attn):
+    model = BERT.build(attn)
+    transfuse.optimize(model)
+    rng = random.Random(0)
+    shapes = [(2, 9), (3, 17), (2, 5), (4, 30), (3, 3), (2, 64)]
+    for batch, seq in shapes:
+        inputs = _random_inputs(model.config.vocab_size, batch, seq, rng)
+        with torch.no_grad():
+            out = model(**inputs)
+            ref = model.forward.__wrapped__(**inputs)
+        assert out.last_hidden_state.shape == (batch, seq, 64)
+        assert rel_err(out.last_hidden_state, ref.last_hidden_state) < 1e-5
+        assert rel_err(out.pooler_output, ref.pooler_output) < 1e-5
+    assert _traces(model) == 1, "a shape inside the buckets traced again"
+    (runner,) = _runners(model)
+    assert isinstance(runner, PaddedRunner)
+    padded = [key for key, st in runner.stats.items() if st.padded > st.real]
+    assert padded, "no call was padded: the test would not notice a padding bug"
+    assert _buckets(runner, "input_ids") == {(2, 16), (4, 32), (2, 8), (4, 4), (2, 64)}
+
+
+def test_no_mask_input_padded_keys_are_ignored():
+    """Without an attention_mask nothing in the graph masks the padded keys but key_len."""
+    model = BERT.build("sdpa")
+    transfuse.optimize(model)
+    rng = random.Random(1)
+    for batch, seq in [(2, 11), (3, 6)]:
+        inputs = _random_inputs(model.config.vocab_size, batch, seq, rng, with_mask=False)
+        with torch.no_grad():
+            out = model(**inputs).last_hidden_state
+            ref = model.forward.__wrapped__(**inputs).last_hidden_state
+        assert rel_err(out, ref) < 1e-5
+
+
+def test_nan_in_one_request_does_not_leak_into_the_next():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 2, 8).unbind(2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    model = Net().eval()
+    transfuse.optimize(model)
+    bad = torch.randn(2, 15, 16)
+    bad[:, 12:] = float("nan")
+    with torch.no_grad():
+        model(bad)
+        x = torch.randn(2, 11, 16)
+        out = model(x)
+        ref = model.forward.__wrapped__(x)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-5
+
+
+class _LastToken(torch.nn.Module):
+    """Reads the sequence from its end and takes a softmax over it: padding the sequence would
+    change both, so the sequence must run at its exact size (the batch may still be padded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h[:, -1] + torch.softmax(h, dim=1).sum(1)
+
+
+def test_refused_dimension_runs_exact_and_is_reported():
+    model = _LastToken().eval()
+    transfuse.optimize(model)
+    for batch, seq in [(3, 5), (5, 7), (3, 6)]:
+        x = torch.randn(batch, seq, 8)
+        with torch.no_grad():
+            out = model(x)
+            ref = model.forward.__wrapped__(x)
+        assert rel_err(out, ref) < 1e-5
+    text = transfuse.report(model)
+    assert "BucketPadding" in text and "x.size(1)" in text and "from its end" in text
+    (runner,) = _runners(model)
+    assert _buckets(runner, "x") == {(4, 5), (8, 7), (4, 6)}  # batch padded, seq exact
+
+
+def test_beyond_the_largest_bucket_runs_exact():
+    model = BERT.build("sdpa")
+    transfuse.optimize(model, buckets=[8, 16])
+    inputs = _random_inputs(model.config.vocab_size, 2, 20, random.Random(2))
+    with torch.no_grad():
+        out = model(**inputs).last_hidden_state
+        ref = model.forward.__wrapped__(**inputs).last_hidden_state
+    assert rel_err(out, ref) < 1e-5
+    (runner,) = _runners(model)
+    assert runner.exact_calls == 1
+    assert "beyond the largest bucket" in transfuse.report(model)
+
+
+def test_warmup_traces_before_the_first_request():
+    model = BERT.build("sdpa")
+    transfuse.optimize(model, warmup=[(2, 16), (1, 16)])
+    assert _traces(model) == 2  # batch 1 is its own trace (Dynamo specialises sizes of 1)
+    with torch.no_grad():
+        for batch, seq in [(1, 7), (3, 12), (2, 16)]:
+            model(**_random_inputs(model.config.vocab_size, batch, seq, random.Random(3)))
+    assert _traces(model) == 2
+
+
+def test_bad_options_are_one_line_errors():
+    with pytest.raises(ValueError, match="buckets"):
+        transfuse.optimize(BERT.build("sdpa"), buckets=[])
+    with pytest.raises(transfuse.TransfuseError, match="max_graphs"):
+        transfuse.optimize(BERT.build("sdpa"), max_graphs=0)
+    with pytest.raises(transfuse.TransfuseError, match="warm-up"):
+        transfuse.optimize(_LastToken().eval(), warmup=[(2, 8)])
+
+
+def test_bucket_policy():
+    powers = BucketPolicy()
+    assert [powers(n, None) for n in (1, 2, 3, 9, 16, 17)] == [1, 2, 4, 16, 16, 32]
+    assert powers(300, 512) == 512 and powers(300, 400) == 400  # never past the guards' bound
+    listed = BucketPolicy([64, 16, 128])
+    assert [listed(n, None) for n in (1, 16, 17, 128)] == [16, 16, 64, 128]
+    assert listed(129, None) is None
