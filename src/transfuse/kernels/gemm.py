@@ -30,6 +30,8 @@ the activation is not linear.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -397,6 +399,8 @@ _linear_fwd_tuned = triton.autotune(
     key=["M_BUCKET", "N", "K", "SPLIT_K", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL", "DOT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune_for_shape},
     do_bench=_bench_config,
+    # Tuning results on disk beside Triton's binaries: a second process does not re-tune.
+    **({"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}),
 )(_linear_fwd_heuristic)
 
 

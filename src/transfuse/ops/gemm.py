@@ -32,6 +32,8 @@ TRITON_INTERPRET=1 (what the CPU tests check) and the torch path otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import statistics
@@ -77,6 +79,27 @@ class GemmChoice:
 
 _CHOICES: dict[GemmKey, GemmChoice] = {}
 _forced: Optional[str] = None
+_DISK: dict = {}  # device index -> cache file path, once its choices are loaded
+
+
+def _disk_path(device: torch.device):
+    """Loads the measured choices of earlier processes on this GPU (once); returns the file."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DISK:
+        from transfuse.runtime import tuning_cache
+
+        path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, __file__])
+        for key, value in tuning_cache.load(path).items():
+            _CHOICES.setdefault(GemmKey(*json.loads(key)), GemmChoice(**value))
+        _DISK[index] = path
+    return _DISK[index]
+
+
+def _save_choices(device: torch.device) -> None:
+    from transfuse.runtime import tuning_cache
+
+    measured = {json.dumps(list(k)): dataclasses.asdict(c) for k, c in _CHOICES.items() if c.measured}
+    tuning_cache.save(_disk_path(device), measured)
 
 
 def set_gemm_backend(backend: Optional[str]) -> Optional[str]:
@@ -243,17 +266,21 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
         return GemmChoice("torch")
     key = GemmKey(kernels.m_bucket(M), n_out, x.shape[-1], str(x.dtype).removeprefix("torch."),
                   activation, bias is not None, residual is not None)
-    choice = _CHOICES.get(key)
     capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _disk_path(x.device)
+    choice = _CHOICES.get(key)
     if choice is not None and (choice.measured or capturing):
         return choice
     if capturing:
         loaded = kernels.is_tuned(M, n_out, x.shape[-1], 1, activation, bias is not None, residual is not None,
                                   x.dtype)
         choice = _heuristic_choice(key, loaded)
+        _CHOICES[key] = choice
     else:
         choice = _measure(key, x, weight, bias, activation, residual)
-    _CHOICES[key] = choice
+        _CHOICES[key] = choice
+        _save_choices(x.device)
     return choice
 
 
