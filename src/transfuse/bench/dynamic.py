@@ -189,9 +189,9 @@ def _transfuse_details(model, stream, device) -> dict[str, Any]:
     # A bucket not seen yet: the largest batch bucket at a sequence bucket the stream never used.
     used = {key for r in runners for key in r.stats}
     new_bucket_s = None
-    for seq in (512, 256, 384, 320):
-        inputs = {"input_ids": torch.zeros(32, seq, dtype=torch.long, device=device),
-                  "attention_mask": torch.ones(32, seq, dtype=torch.long, device=device)}
+    for batch, seq in [(b, s) for s in (512, 256, 128, 64) for b in (2, 3, 5, 9, 17)]:
+        inputs = {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device=device),
+                  "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device)}
         before = sum(len(r.stats) for r in runners)
         torch.cuda.synchronize()
         start = time.perf_counter()
