@@ -200,3 +200,26 @@ def test_gemm_choices_is_a_copy():
     choices = gemm_choices()
     choices[GemmKey(1, 1, 1, "float32", "none", False, False)] = None
     assert GemmKey(1, 1, 1, "float32", "none", False, False) not in gemm_choices()
+
+
+def test_dispatch_reuses_cublas_between_measured_neighbours():
+    """A row bucket between two where cuBLAS won is not timed (no Triton autotuning for a new shape);
+    next to one where Triton won it is."""
+    from transfuse.ops import gemm as dispatch
+
+    saved = dict(dispatch._CHOICES)
+    try:
+        dispatch._CHOICES.clear()
+        key = dispatch.GemmKey(256, 768, 768, "float16", "gelu", True, False)
+        dispatch._CHOICES[key._replace(m_bucket=128)] = dispatch.GemmChoice("torch", measured=True, times_ms={"torch": 1.0})
+        assert dispatch._settled_by_neighbours(key) is None  # one side only, mid regime: measure
+        dispatch._CHOICES[key._replace(m_bucket=512)] = dispatch.GemmChoice("torch", measured=True, times_ms={"torch": 2.0})
+        assert dispatch._settled_by_neighbours(key).backend == "torch"
+        dispatch._CHOICES[key._replace(m_bucket=512)] = dispatch.GemmChoice("triton", measured=True)
+        assert dispatch._settled_by_neighbours(key) is None
+        large = key._replace(m_bucket=8192)
+        dispatch._CHOICES[large._replace(m_bucket=4096)] = dispatch.GemmChoice("torch", measured=True, times_ms={"torch": 3.0})
+        assert dispatch._settled_by_neighbours(large).backend == "torch"  # large rows: one side suffices
+    finally:
+        dispatch._CHOICES.clear()
+        dispatch._CHOICES.update(saved)

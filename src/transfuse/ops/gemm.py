@@ -278,10 +278,23 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
         choice = _heuristic_choice(key, loaded)
         _CHOICES[key] = choice
     else:
-        choice = _measure(key, x, weight, bias, activation, residual)
+        choice = _settled_by_neighbours(key) or _measure(key, x, weight, bias, activation, residual)
         _CHOICES[key] = choice
         _save_choices(x.device)
     return choice
+
+
+def _settled_by_neighbours(key: GemmKey) -> GemmChoice | None:
+    """cuBLAS, without timing, when both neighbouring row buckets (M/2 and 2M) of the same GEMM were
+    measured and cuBLAS won both: Triton lost on either side, and timing it here would autotune a
+    new key (seconds of compilation while a new input shape waits). Any other case is measured."""
+    below = _CHOICES.get(key._replace(m_bucket=key.m_bucket // 2))
+    above = _CHOICES.get(key._replace(m_bucket=key.m_bucket * 2))
+    sides = [c for c in (below, above) if c is not None and c.measured]
+    if sides and all(not c.backend.startswith("triton") for c in sides) and (len(sides) == 2 or key.m_bucket > kernels.MID_M_MAX):
+        best = min(sides, key=lambda c: c.times_ms.get(c.backend, 0.0))
+        return GemmChoice(best.backend, measured=True, note="cuBLAS won on both neighbouring row buckets")
+    return None
 
 
 # -------------------------------------------------------------------------------------------------
