@@ -13,6 +13,13 @@ from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
 
 log = logging.getLogger("transfuse")
+try:
+    import torch.fx.experimental._config as _SIZE_OBLIVIOUS
+
+    if not hasattr(_SIZE_OBLIVIOUS, "backed_size_oblivious"):
+        _SIZE_OBLIVIOUS = None
+except ImportError:  # pragma: no cover - older torch
+    _SIZE_OBLIVIOUS = None
 _STATE = "_transfuse_state"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -35,7 +42,11 @@ class _State:
         compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic)
         # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
         # also make a head count symbolic when a second model of the same class has another one.
-        self.compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
+        compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
+        if dynamic is None and _SIZE_OBLIVIOUS is not None:
+            # A batch of 1 would otherwise get a trace of its own (Dynamo specialises sizes 0 and 1).
+            compiled = _SIZE_OBLIVIOUS.patch(backed_size_oblivious=True)(compiled)
+        self.compiled = compiled
 
 
 def _graph_breaks() -> int:
@@ -123,11 +134,13 @@ def optimize(
 
 def _mark_dynamic(args, kwargs) -> None:
     """Every dimension of every input tensor may vary; Dynamo keeps static what the model fixes
-    (a hidden size that meets a weight) and makes the rest symbolic."""
+    (a hidden size that meets a weight) and makes the rest symbolic. Dimensions of size 1 stay
+    static: they are how a mask broadcasts, and a symbol there would hide the broadcast."""
     for t in pytree.tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            for d in range(t.dim()):
-                torch._dynamo.maybe_mark_dynamic(t, d)
+            for d, size in enumerate(t.shape):
+                if size > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

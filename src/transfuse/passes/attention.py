@@ -29,6 +29,8 @@ from transfuse.passes.graph import (
     is_last_two_transpose,
     is_tensor,
     kind,
+    same_shape,
+    same_size,
     scalar,
     shape,
     size_arg,
@@ -88,7 +90,7 @@ def _match_sdpa(node: fx.Node) -> dict:
         raise Reject("query has no static shape")
     if mask is not None and not is_tensor(mask):
         raise Reject("attn_mask is not a tensor")
-    if not enable_gqa and shape(q)[:-3] + shape(q)[-3:-2] != shape(k)[:-3] + shape(k)[-3:-2]:
+    if not enable_gqa and not same_shape(shape(q)[:-3] + shape(q)[-3:-2], shape(k)[:-3] + shape(k)[-3:-2]):
         raise Reject("query and key head counts differ without enable_gqa")
     return dict(
         out=node, q=q, k=k, v=v, k_transposed=False, masks=[mask] if mask is not None else [],
@@ -218,15 +220,21 @@ def _check_operands(spec: dict) -> None:
     k_shape = tuple(k.shape)
     if spec["k_transposed"]:
         k_shape = k_shape[:-2] + (k_shape[-1], k_shape[-2])
-    if q.shape[-1] != k_shape[-1] or v.shape[-1] != q.shape[-1]:
+    # Sizes may be symbolic (dynamic batch/sequence): every comparison must hold for all values,
+    # and none may add a guard (same_size), or Dynamo would recompile for the sizes it excluded.
+    if not isinstance(q.shape[-1], int):
+        raise Reject("the head dimension is dynamic")
+    if not (same_size(q.shape[-1], k_shape[-1]) and same_size(v.shape[-1], q.shape[-1])):
         raise Reject(f"head dims differ (q {q.shape[-1]}, k {k_shape[-1]}, v {v.shape[-1]})")
-    if k_shape[-2] != v.shape[-2]:
+    if not same_size(k_shape[-2], v.shape[-2]):
         raise Reject("key and value lengths differ")
-    if q.shape[0] != k_shape[0] or q.shape[0] != v.shape[0]:
+    if not (same_size(q.shape[0], k_shape[0]) and same_size(q.shape[0], v.shape[0])):
         raise Reject("batch sizes of q, k, v differ (broadcast matmul)")
     if q.dim() == 4:
         hq, hk = q.shape[1], k_shape[1]
-        if hk != v.shape[1] or hq % hk != 0:
+        if not (isinstance(hq, int) and isinstance(hk, int)):
+            raise Reject("the head count is dynamic")
+        if not same_size(hk, v.shape[1]) or hq % hk != 0:
             raise Reject(f"{hq} query heads cannot share {hk} key/value heads")
         if spec["k_transposed"] and hq != hk:
             raise Reject("broadcast over heads in a hand-written matmul")
@@ -237,12 +245,10 @@ def _check_operands(spec: dict) -> None:
         if mt.dim() > q.dim():
             raise Reject(f"mask has {mt.dim()} dims for {q.dim()}-D scores")
         scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
-        try:
-            broadcast = torch.broadcast_shapes(tuple(mt.shape), scores)
-        except RuntimeError as e:
-            raise Reject(f"mask shape {tuple(mt.shape)} does not broadcast to the scores") from e
-        if broadcast != scores:
-            raise Reject("mask broadcasts the scores to a larger shape")
+        # Right-aligned, each mask dim is 1 (broadcast) or provably the scores' own size.
+        for m_dim, s_dim in zip(reversed(tuple(mt.shape)), reversed(scores)):
+            if not (isinstance(m_dim, int) and m_dim == 1) and not same_size(m_dim, s_dim):
+                raise Reject(f"mask shape {tuple(mt.shape)} does not broadcast to the scores {scores}")
         if mt.dtype != torch.bool and not mt.dtype.is_floating_point:
             raise Reject(f"mask dtype {mt.dtype}")
 

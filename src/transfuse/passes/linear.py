@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, kind, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, kind, same_shape, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
@@ -144,6 +144,6 @@ def _residual(last: fx.Node, linear: fx.Node) -> tuple[fx.Node | None, fx.Node]:
     other = add.args[1] if add.args[0] is last else add.args[0]
     if other is last or not isinstance(other, fx.Node) or tensor_meta(other) is None:
         return None, last
-    if shape(other) != shape(last) or tensor_meta(other).dtype != tensor_meta(last).dtype or shape(add) != shape(last):
+    if not same_shape(shape(other), shape(last)) or tensor_meta(other).dtype != tensor_meta(last).dtype or not same_shape(shape(add), shape(last)):
         return None, last
     return other, add

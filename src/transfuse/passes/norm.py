@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, kind, node_order, scalar, shape, tensor_meta
+from transfuse.passes.graph import arg, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 FUSED = "ResidualLayerNorm"
@@ -69,7 +69,7 @@ def _check(node: fx.Node) -> str | None:
         return "input has no recorded tensor value"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"dtype {x.dtype}"
-    if not isinstance(normalized, (list, tuple)) or len(normalized) != 1 or normalized[0] != x.shape[-1]:
+    if not isinstance(normalized, (list, tuple)) or len(normalized) != 1 or not same_size(normalized[0], x.shape[-1]):
         return f"normalized_shape {normalized} is not the last dimension alone"
     for name, i in (("weight", 2), ("bias", 3)):
         p = tensor_meta(arg(node, i, name))
@@ -89,7 +89,7 @@ def _residual_add(x, norm: fx.Node, order: dict) -> tuple | None:
         return None
     a, b = x.args[0], x.args[1]
     ta, tb, tx = tensor_meta(a), tensor_meta(b), tensor_meta(x)
-    if ta is None or tb is None or shape(a) != shape(b) or shape(a) != shape(x) or ta.dtype != tb.dtype or ta.dtype != tx.dtype:
+    if ta is None or tb is None or not same_shape(shape(a), shape(b)) or not same_shape(shape(a), shape(x)) or ta.dtype != tb.dtype or ta.dtype != tx.dtype:
         return None
     if any(order[u] < order[norm] for u in x.users if u is not norm):
         return None

@@ -11,7 +11,11 @@ from transfuse.backend import TransfuseError
 
 
 def run_warmup(model: torch.nn.Module, shapes: list) -> None:
-    examples = [_example(model, s) for s in shapes]  # all validated before any work
+    # Largest (batch, seq) first: Dynamo traces sizes above 1 symbolically, so a batch of 1 warmed
+    # up after a larger one reuses that trace instead of fixing the batch at 1 in a trace of its own.
+    pairs = sorted((s for s in shapes if _is_pair(s)), reverse=True)
+    others = [s for s in shapes if not _is_pair(s)]
+    examples = [_example(model, s) for s in pairs + others]  # all validated before any work
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with transformers; without it, no bar
@@ -22,6 +26,10 @@ def run_warmup(model: torch.nn.Module, shapes: list) -> None:
             model(*args, **kwargs)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.synchronize()
+
+
+def _is_pair(shape) -> bool:
+    return isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(x, int) for x in shape)
 
 
 def _example(model: torch.nn.Module, shape) -> tuple[tuple, dict]:
