@@ -171,3 +171,41 @@ def test_bucket_policy():
     listed = BucketPolicy([64, 16, 128])
     assert [listed(n, None) for n in (1, 16, 17, 128)] == [16, 16, 64, 128]
     assert listed(129, None) is None
+
+
+def _family(name):
+    import transformers
+
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2Model, cfg, {"use_cache": False}
+    if name == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=96, vocab_size=97, max_position_embeddings=64)
+        return transformers.LlamaModel, cfg, {"use_cache": False}
+    cfg = transformers.T5Config(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4, vocab_size=97)
+    return transformers.T5EncoderModel, cfg, {}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
+def test_other_families_padded_and_exact(family):
+    """Causal decoders (prefill) and T5's relative-position bias: padded to buckets, same outputs,
+    left padding in the mask included."""
+    cls, cfg, extra = _family(family)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    transfuse.optimize(model)
+    for batch, seq in [(2, 9), (3, 13)]:
+        ids = torch.randint(3, 97, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[-1, :2] = 0
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, **extra)[0]
+            ref = model.forward.__wrapped__(input_ids=ids, attention_mask=mask, **extra)[0]
+        keep = mask.bool()
+        assert rel_err(out[keep], ref[keep]) < 1e-5
+    (runner,) = _runners(model)
+    assert isinstance(runner, PaddedRunner) and _buckets(runner, "input_ids") == {(2, 16), (4, 16)}
+    assert "BucketPadding" not in transfuse.report(model)

@@ -214,6 +214,8 @@ class _Analysis:
 
     # ---- the rules
     def visit(self, node: fx.Node) -> None:
+        if isinstance(value(node), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+            return  # arithmetic on sizes, not on tensor values: its users are judged instead
         name = _name(node)
         tensor_args = self.tensor_args(node)
         involved = set().union(*(self.all_syms(a) for a in tensor_args)) | self.all_syms(node)
@@ -263,10 +265,17 @@ class _Analysis:
             self.refuse(self.dim_syms(first, dim) if first is not None else involved, node, "concatenates along a padded dimension")
         elif name == "stack":
             pass
+        elif name in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
+            default = 0
+            dim = node.args[2] if len(node.args) > 2 and name != "unbind" else (node.args[1] if name == "unbind" and len(node.args) > 1 else node.kwargs.get("dim", default))
+            self.refuse(self.dim_syms(node.args[0], dim), node, "splits a padded dimension")
         elif name in ("linear", "transfuse.linear"):
             self.refuse(self.dim_syms(node.args[0], -1), node, "contracts over a padded dimension")
         elif name in _NORMS:
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
+        elif name in ("addmm", "baddbmm", "addbmm"):  # bias + a @ b (GPT-2's Conv1D)
+            a, b = node.args[1], node.args[2]
+            self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2), node, "contracts over a padded dimension")
         elif name in ("matmul", "bmm", "mm"):
             a, b = node.args[0], node.args[1]
             self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2 if len(_dims(value(b))) > 1 else 0), node, "contracts over a padded dimension")

@@ -78,6 +78,7 @@ class PaddedRunner:
         self._dims_of_input: dict[int, list] = collections.defaultdict(list)
         for i, d, s in plan.tensor_dims:
             self._dims_of_input[i].append((d, s))
+        self._first_input = min(self._dims_of_input) if self._dims_of_input else None
 
     # ---- sizes
     def _real_sizes(self, args) -> dict:
@@ -89,15 +90,22 @@ class PaddedRunner:
         return real
 
     def _targets(self, real: dict) -> dict | None:
-        target = {}
+        """Bucket sizes per symbol. Symbols of equal value in this call are padded alike (an
+        attention_mask's length and input_ids' are two symbols that the model expects equal): if
+        one of them may not be padded, none is; otherwise they share the smallest bucket."""
+        groups: dict = collections.defaultdict(list)
         for s, n in real.items():
-            if s in self.plan.paddable:
-                b = self.policy(n, self.plan.upper.get(s))
-                if b is None:
+            groups[n].append(s)
+        target = {}
+        for n, symbols in groups.items():
+            size = n
+            if all(s in self.plan.paddable for s in symbols):
+                buckets = [self.policy(n, self.plan.upper.get(s)) for s in symbols]
+                if any(b is None for b in buckets):
                     return None
-                target[s] = b
-            else:
-                target[s] = n
+                size = min(buckets)
+            for s in symbols:
+                target[s] = size
         return target
 
     # ---- arguments
@@ -155,8 +163,10 @@ class PaddedRunner:
         key = tuple(target[s] for s in self.symbols)
         stats = self.stats[key]
         stats.calls += 1
-        stats.real += math.prod(real.values())
-        stats.padded += math.prod(target.values())
+        # Padding overhead counted on the first dynamic input (e.g. input_ids: batch x seq).
+        dims = self._dims_of_input[self._first_input]
+        stats.real += math.prod(real[s] for _, s in dims)
+        stats.padded += math.prod(target[s] for _, s in dims)
         self._set_key_lens(real)
         if not self.use_graphs:
             outputs = self.fn(*self._padded_args(args, real, target))
