@@ -497,6 +497,16 @@ def check_linear_args(
     return N
 
 
+def fixed_tile(m: int, gated: bool = False) -> tuple[int, int, int, int, int]:
+    """The dependable tile of m's regime: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). One
+    compiled kernel per regime and epilogue serves every row count, so a new shape compiles nothing."""
+    bucket = m_bucket(m)
+    block_m, block_n, block_k, num_stages, num_warps = _FIXED_TILES[_regime(bucket)]
+    if gated and block_m * block_n * 2 > 128 * 256:
+        block_n //= 2
+    return (min(block_m, bucket), block_n, block_k, num_stages, num_warps)
+
+
 def linear_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -564,11 +574,7 @@ def linear_fwd(
     tune_key = _tune_key(M, N, K, split_k, activation, bias is not None, residual is not None, x.dtype)
     capturing = _is_capturing(x.device)
     if tile is None and capturing and tune_key not in _TUNED:
-        # No autotuning inside a capture (see _TUNED).
-        block_m, block_n, block_k, num_stages, num_warps = _FIXED_TILES[_regime(bucket)]
-        if gated and block_m * block_n * 2 > 128 * 256:
-            block_n //= 2
-        tile = (min(block_m, bucket), block_n, block_k, num_stages, num_warps)
+        tile = fixed_tile(M, gated)  # no autotuning inside a capture (see _TUNED)
     if tile is None:
         _linear_fwd_tuned[grid](*args, **flags)
         if not capturing:

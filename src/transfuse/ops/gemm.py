@@ -18,7 +18,7 @@ On a GPU the op runs one of two implementations, whichever is faster for the sha
 
 The choice is keyed by GemmKey (M rounded up to a power of two, N, K, dtype, activation, has_bias,
 has_residual) and made the first time a key is seen, by timing every candidate on the call's own
-inputs (GPU time from CUDA events, L2 flushed, launch overhead excluded because the op runs under
+inputs (Triton with its row regime's fixed tile, so that a new shape compiles and tunes nothing) (GPU time from CUDA events, L2 flushed, launch overhead excluded because the op runs under
 CUDA graphs); Triton must beat the best torch candidate by MARGIN to be chosen, so a tie goes to
 cuBLAS. Inside CUDA-graph capture nothing is timed and no Triton kernel may be launched for the
 first time: an unseen key gets a fixed rule (_heuristic_choice: cuBLAS unless our kernel for that
@@ -72,6 +72,7 @@ class GemmKey(NamedTuple):
 class GemmChoice:
     backend: str  # "triton", "torch" or "torch_lt"
     split_k: int = 1  # Triton only
+    tile: Optional[tuple] = None  # Triton only: a fixed tile (None: autotuned per key)
     measured: bool = False
     times_ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
@@ -90,6 +91,8 @@ def _disk_path(device: torch.device):
 
         path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, __file__])
         for key, value in tuning_cache.load(path).items():
+            if value.get("tile") is not None:
+                value["tile"] = tuple(value["tile"])
             _CHOICES.setdefault(GemmKey(*json.loads(key)), GemmChoice(**value))
         _DISK[index] = path
     return _DISK[index]
@@ -228,10 +231,14 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     }
     if cublaslt_epilogue_applies(x, bias, activation):
         candidates["torch_lt"] = lambda: linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=True)
+    # Triton runs its regime's fixed tile here, not an autotuned one: autotuning compiles and times a
+    # dozen configs per row bucket, seconds that a new input shape would wait for (issue: warm-up of
+    # seconds). The fixed tile is compiled once per regime and epilogue.
+    tile = kernels.fixed_tile(M, activation == "silu_mul")
     splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
     for split in splits:
         candidates[f"triton/split_k={split}"] = (
-            lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split))
+            lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split, tile=tile))
 
     note = ""
     for name, fn in list(candidates.items()):
@@ -248,7 +255,7 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     best_torch = min((n for n in times if not n.startswith("triton")), key=times.get)
     best_triton = min((n for n in times if n.startswith("triton")), key=times.get, default=None)
     if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
-        return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), measured=True, times_ms=times, note=note)
+        return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), tile=tile, measured=True, times_ms=times, note=note)
     return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
 
 
@@ -314,7 +321,7 @@ def linear(
     n_out = kernels.check_linear_args(x, weight, bias, activation, residual)
     choice = _choose(x, weight, bias, activation, residual, n_out)
     if choice.backend == "triton":
-        return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k)
+        return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k, tile=choice.tile)
     return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")
 
 
