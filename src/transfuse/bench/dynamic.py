@@ -216,7 +216,7 @@ def summarize(results: dict[str, Any]) -> str:
         f"{results['requests']} requests ({results['distinct_shapes']} distinct shapes), bert-base {results['dtype']}, "
         f"{results['gpu']}, torch {results['torch']}, triton {results['triton']}, {results['date']}",
         "",
-        "| provider | total s | first call s | Dynamo graphs | vs transfuse |",
+        "| provider | total s | first call s | Dynamo graphs | total / transfuse's |",
         "|---|---|---|---|---|",
     ]
     ours = rows.get("transfuse", {}).get("total_s")
@@ -224,7 +224,7 @@ def summarize(results: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} | | | |")
             continue
-        ratio = f"{r['total_s'] / ours:.1f}x slower" if ours and name != "transfuse" else ""
+        ratio = f"{r['total_s'] / ours:.2f}" if ours and name != "transfuse" else ""
         lines.append(f"| {name} | {r['total_s']:.2f} | {r['first_call_s']:.2f} | {r['dynamo_graphs']} | {ratio} |")
     t = rows.get("transfuse", {})
     if "graphs_captured" in t:
