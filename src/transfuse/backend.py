@@ -63,7 +63,7 @@ class Backend:
             policy = BucketPolicy(self.options.get("buckets"))
             runner = PaddedRunner(gm, plan, static, self.pool, policy, use_graphs, self.options.get("max_graphs", 32))
         else:
-            runner = CudaGraphRunner(gm, static, self.pool) if use_graphs else gm
+            runner = CudaGraphRunner(gm, static, self.pool, self.options.get("max_graphs", 32)) if use_graphs else gm
         self.runners.append(runner)
         record = GraphRecord(
             rewrites=dict(ctx.rewrites),

@@ -97,6 +97,9 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
             f"capture time {pool.capture_seconds:.2f} s"
         )
     for runner in runners:
+        if hasattr(runner, "uncaptured_calls") and (runner.uncaptured_calls or runner.evicted):
+            lines.append(f"  exact-shape graphs: {len(runner.graphs)} kept, {runner.evicted} evicted, "
+                         f"{runner.uncaptured_calls} call(s) of a shape seen once ran without a graph")
         if hasattr(runner, "bucket_report"):
             kept = f", {len(runner.graphs)} kept" if runner.use_graphs else ""
             lines.append(f"  buckets ({len(runner.stats)} used{kept}, {runner.evicted} evicted):")

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import collections
 import operator
 import time
 from typing import Callable
@@ -82,13 +83,24 @@ class _Captured:
 
 
 class CudaGraphRunner:
-    """Callable for Dynamo: routes each input signature to its captured graph."""
+    """Callable for Dynamo: routes each exact input signature to its captured graph (the runner of
+    graphs whose dimensions cannot be padded to buckets, see runtime/buckets.py).
 
-    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool):
+    A signature is captured the second time it is seen: the first call runs the rewritten graph
+    without one, so a stream of one-off shapes (a KV cache that grows every step) does not pay a
+    capture per call. At most `max_graphs` graphs are kept, least recently used dropped first."""
+
+    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32,
+                 capture_after: int = 2):
         self.fn = fn
         self.static_indices = static_indices
         self.pool = pool
-        self.graphs: dict[tuple, _Captured] = {}
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self.graphs: collections.OrderedDict = collections.OrderedDict()
+        self.seen: collections.Counter = collections.Counter()
+        self.uncaptured_calls = 0
+        self.evicted = 0
         self.dynamic_indices: list[int] | None = None
 
     def signature(self, args) -> tuple:
@@ -104,7 +116,16 @@ class CudaGraphRunner:
     def __call__(self, *args):
         key = self.signature(args)
         captured = self.graphs.get(key)
+        if captured is None:
+            self.seen[key] += 1
+            if self.seen[key] < self.capture_after:
+                self.uncaptured_calls += 1
+                return self.fn(*args)  # fresh outputs: nothing static to protect
         if captured is None or not captured.still_valid(args):
             captured = _Captured(self.fn, args, self.static_indices, self.pool)
             self.graphs[key] = captured
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+                self.evicted += 1
+        self.graphs.move_to_end(key)
         return captured.replay(args)
