@@ -273,6 +273,11 @@ class _Analysis:
             self.refuse(self.dim_syms(node.args[0], -1), node, "contracts over a padded dimension")
         elif name in _NORMS:
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
+        elif name in ("layer_norm", "rms_norm", "group_norm"):  # torch's own, left as they were
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", ())
+            count = len(shape) if isinstance(shape, (list, tuple)) and name != "group_norm" else len(_dims(value(node.args[0])))
+            self.refuse(set().union(*(self.dim_syms(node.args[0], -1 - i) for i in range(count))), node,
+                        "normalises over a padded dimension")
         elif name in ("addmm", "baddbmm", "addbmm"):  # bias + a @ b (GPT-2's Conv1D)
             a, b = node.args[1], node.args[2]
             self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2), node, "contracts over a padded dimension")
