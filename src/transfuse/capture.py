@@ -137,10 +137,24 @@ def _mark_dynamic(args, kwargs) -> None:
     (a hidden size that meets a weight) and makes the rest symbolic. Dimensions of size 1 stay
     static: they are how a mask broadcasts, and a symbol there would hide the broadcast."""
     for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            for d, size in enumerate(t.shape):
+        for tensor in _cache_tensors(t) if not isinstance(t, torch.Tensor) else (t,):
+            if isinstance(tensor, torch.nn.Parameter):
+                continue
+            for d, size in enumerate(tensor.shape):
                 if size > 1:
-                    torch._dynamo.maybe_mark_dynamic(t, d)
+                    torch._dynamo.maybe_mark_dynamic(tensor, d)
+
+
+def _cache_tensors(obj) -> list:
+    """The key/value tensors of a Hugging Face cache object (DynamicCache: `.layers[i].keys/.values`):
+    their length grows every generated token, and left static it would cost a trace per token."""
+    out = []
+    for layer in getattr(obj, "layers", None) or ():
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

@@ -104,6 +104,8 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
             kept = f", {len(runner.graphs)} kept" if runner.use_graphs else ""
             lines.append(f"  buckets ({len(runner.stats)} used{kept}, {runner.evicted} evicted):")
             lines.extend(f"    {line}" for line in runner.bucket_report())
+            if runner.uncaptured_calls:
+                lines.append(f"    {runner.uncaptured_calls} call(s) of a key with exact (unpadded) sizes seen once ran without a graph")
             if runner.exact_calls:
                 lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
     return "\n".join(lines)

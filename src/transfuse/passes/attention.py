@@ -29,6 +29,7 @@ from transfuse.passes.graph import (
     is_last_two_transpose,
     is_tensor,
     kind,
+    hint,
     same_shape,
     same_size,
     scalar,
@@ -226,9 +227,9 @@ def _check_operands(spec: dict) -> None:
         raise Reject("the head dimension is dynamic")
     if not (same_size(q.shape[-1], k_shape[-1]) and same_size(v.shape[-1], q.shape[-1])):
         raise Reject(f"head dims differ (q {q.shape[-1]}, k {k_shape[-1]}, v {v.shape[-1]})")
-    if not same_size(k_shape[-2], v.shape[-2]):
+    if not _runtime_checked_equal(k_shape[-2], v.shape[-2]):
         raise Reject("key and value lengths differ")
-    if not (same_size(q.shape[0], k_shape[0]) and same_size(q.shape[0], v.shape[0])):
+    if not (_runtime_checked_equal(q.shape[0], k_shape[0]) and _runtime_checked_equal(q.shape[0], v.shape[0])):
         raise Reject("batch sizes of q, k, v differ (broadcast matmul)")
     if q.dim() == 4:
         hq, hk = q.shape[1], k_shape[1]
@@ -247,10 +248,17 @@ def _check_operands(spec: dict) -> None:
         scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
         # Right-aligned, each mask dim is 1 (broadcast) or provably the scores' own size.
         for m_dim, s_dim in zip(reversed(tuple(mt.shape)), reversed(scores)):
-            if not (isinstance(m_dim, int) and m_dim == 1) and not same_size(m_dim, s_dim):
+            if not (isinstance(m_dim, int) and m_dim == 1) and not _runtime_checked_equal(m_dim, s_dim):
                 raise Reject(f"mask shape {tuple(mt.shape)} does not broadcast to the scores {scores}")
         if mt.dtype != torch.bool and not mt.dtype.is_floating_point:
             raise Reject(f"mask dtype {mt.dtype}")
+
+
+def _runtime_checked_equal(a, b) -> bool:
+    """Equal for every value of the symbols, or two symbols Dynamo left unrelated (a KV cache's keys
+    and values, a mask's length) that were equal when traced: the kernel checks such sizes at each
+    call and raises where they differ, as eager attention does; it never guesses."""
+    return same_size(a, b) or (not isinstance(a, int) and not isinstance(b, int) and hint(a) == hint(b))
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,6 +73,9 @@ class PaddedRunner:
         self.graphs: collections.OrderedDict = collections.OrderedDict()
         self.stats: dict[tuple, BucketStats] = collections.defaultdict(BucketStats)
         self.exact_calls = 0  # calls beyond the largest bucket (run without a graph)
+        self._has_exact_sizes = bool(set(plan.names) - plan.paddable)
+        self.seen: collections.Counter = collections.Counter()
+        self.uncaptured_calls = 0  # first sightings of keys with exact sizes
         self.evicted = 0
         self.n_inputs = None
         self._dims_of_input: dict[int, list] = collections.defaultdict(list)
@@ -172,6 +175,16 @@ class PaddedRunner:
             outputs = self.fn(*self._padded_args(args, real, target))
             return self._slice_outputs(outputs, real, target, clone=False)
         captured = self.graphs.get(key)
+        if captured is None and self._has_exact_sizes:
+            # Sizes that cannot be padded (a KV cache that grows every step) make one-off keys:
+            # capture a key the second time it comes, run it without a graph the first time.
+            self.seen[key] += 1
+            if len(self.seen) > 4096:
+                self.seen = collections.Counter({key: self.seen[key]})
+            if self.seen[key] < 2:
+                self.uncaptured_calls += 1
+                outputs = self.fn(*self._padded_args(args, real, target))
+                return self._slice_outputs(outputs, real, target, clone=False)
         if captured is None or not captured.still_valid(args):
             captured = self._capture(key, args, real, target)
             self._set_key_lens(real)  # the capture's warm-up ran with them; replay reads them again

@@ -118,6 +118,8 @@ class CudaGraphRunner:
         captured = self.graphs.get(key)
         if captured is None:
             self.seen[key] += 1
+            if len(self.seen) > 4096:  # a stream of one-off shapes must not grow this forever
+                self.seen = collections.Counter({key: self.seen[key]})
             if self.seen[key] < self.capture_after:
                 self.uncaptured_calls += 1
                 return self.fn(*args)  # fresh outputs: nothing static to protect
