@@ -79,12 +79,12 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
         lines.append(f"  graph breaks: {graph_breaks}")
     lines.append("  rewrites:")
     for name, count in sorted(rewrites.items()):
-        lines.append(f"    {name:<22} x{count}")
+        lines.append(f"    {name:<26} x{count}")
     reasons: Counter = Counter((rej.pattern, rej.reason) for r in records for rej in r.rejections)
     if reasons:
         lines.append("  left as they were:")
         for (pattern, reason), count in sorted(reasons.items()):
-            lines.append(f"    {pattern:<22} x{count}: {reason}")
+            lines.append(f"    {pattern:<26} x{count}: {reason}")
     total = sum(r.flops_total for r in records)
     ours = sum(r.flops_transfuse for r in records)
     if total:

@@ -264,3 +264,21 @@ def hint(size: Any) -> int:
     if isinstance(size, torch.SymInt):
         return int(size.node.hint) if size.node.hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
     return int(size)
+
+
+def evaluate(nodes: list, out: fx.Node, env: dict):
+    """Run `nodes` (in graph order) on real tensors: `env` maps the region's inputs to values."""
+    env = dict(env)
+
+    def load(a):
+        return fx.node.map_arg(a, lambda n: env[n])
+
+    for node in nodes:
+        if node in env:
+            continue
+        args, kwargs = load(node.args), load(node.kwargs)
+        if node.op == "call_method":
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            env[node] = node.target(*args, **kwargs)
+    return env[out]

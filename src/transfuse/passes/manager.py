@@ -63,13 +63,14 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import attention, dropout, linear, merge_linears, norm, rms_norm
+    from transfuse.passes import attention, dropout, linear, merge_linears, norm, rms_norm, written_layer_norm
 
     return [
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention"),
         Pass("merge_linears", merge_linears.run, "linears reading one input -> one GEMM (QKV)"),
         Pass("norm", norm.run, "layer norm, with the residual add feeding it -> transfuse norm ops"),
+        Pass("written_layer_norm", written_layer_norm.run, "layer norm written out by hand, with its residual add -> transfuse norm ops"),
         Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops"),
         Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear"),
     ]

@@ -94,3 +94,49 @@ def _residual_add(x, norm: fx.Node, order: dict) -> tuple | None:
     if any(order[u] < order[norm] for u in x.users if u is not norm):
         return None
     return a, b
+
+
+def residual_before(x: fx.Node, out: fx.Node, order: dict) -> tuple | None:
+    """(a, b) when x = a + b fits the fused kernel (_residual_add's rules) and every reader of
+    x outside this normalisation comes after its output, where the kernel produces the sum."""
+    outside = [u for u in x.users if not inside(u, out)]
+    if any(order[u] < order[out] for u in outside):
+        return None
+    return _residual_add(x, out, {**order, **{u: order[out] + 1 for u in x.users if u not in outside}})
+
+
+def inside(user: fx.Node, out: fx.Node) -> bool:
+    """Whether `user` is part of the normalisation that ends at `out` (so reads x only through it)."""
+    seen, stack = set(), [user]
+    while stack:
+        node = stack.pop()
+        if node is out:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.users)
+    return False
+
+
+def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, args: tuple, names: tuple) -> None:
+    """Replace a normalisation of x ending at `out` by `plain(x, *args)`, or, when x = a + b fits,
+    by `fused(a, b, *args, store_sum)` (the sum stored when something else still reads x).
+    names = (plain pattern, fused pattern) for the record. The old nodes are left to dead-code removal."""
+    graph = ctx.gm.graph
+    residual = residual_before(x, out, node_order(graph))
+    with graph.inserting_before(out):
+        if residual is None:
+            new = graph.call_function(plain, (x, *args))
+            ctx.matched(names[0])
+        else:
+            store_sum = any(u for u in x.users if not inside(u, out))
+            node = graph.call_function(fused, (*residual, *args, store_sum))
+            new = graph.call_function(operator.getitem, (node, 0))
+            if store_sum:
+                total = graph.call_function(operator.getitem, (node, 1))
+                total.meta["example_value"] = tensor_meta(x)
+                x.replace_all_uses_with(total, delete_user_cb=lambda u: not inside(u, out))
+            ctx.matched(names[1])
+        new.meta["example_value"] = out.meta.get("example_value", out.meta.get("val"))
+    out.replace_all_uses_with(new)

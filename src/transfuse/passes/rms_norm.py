@@ -16,15 +16,13 @@ of transfuse.reference.norm.rms_norm_ref; nothing is read from names or literal 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, kind, node_order, same_size, scalar, static_inputs, tensor_meta, value
+from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, same_size, scalar, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import _residual_add
+from transfuse.passes.norm import replace_with_norm
 from transfuse.reference.norm import rms_norm_ref
 
 FUSED = "ResidualRMSNorm"
@@ -175,7 +173,7 @@ def _flavour(nodes: list, out: fx.Node, x: fx.Node, weight: fx.Node | None, eps:
     probe_x = (torch.randn(3, n, generator=gen) * 3).to(xm.dtype)
     probe_w = (torch.randn(n, generator=gen) * 0.5 + 1).to(wm.dtype) if wm is not None else None
     try:
-        got = _evaluate(nodes, out, {x: probe_x, **({weight: probe_w} if weight is not None else {})})
+        got = evaluate(nodes, out, {x: probe_x, **({weight: probe_w} if weight is not None else {})})
     except Exception:  # noqa: BLE001 - a piece of graph we cannot replay is simply not a match
         return None
     if not isinstance(got, torch.Tensor) or got.shape != probe_x.shape or got.dtype != xm.dtype:
@@ -190,64 +188,6 @@ def _flavour(nodes: list, out: fx.Node, x: fx.Node, weight: fx.Node | None, eps:
     return None
 
 
-def _evaluate(nodes: list, out: fx.Node, env: dict):
-    env = dict(env)
-
-    def load(a):
-        return fx.node.map_arg(a, lambda n: env[n])
-
-    for node in nodes:
-        if node in env:
-            continue
-        args, kwargs = load(node.args), load(node.kwargs)
-        if node.op == "call_method":
-            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            env[node] = node.target(*args, **kwargs)
-    return env[out]
-
-
 def _replace(ctx: PassContext, out: fx.Node, x: fx.Node, weight, eps: float, offset: float, cast_before: bool) -> None:
-    graph = ctx.gm.graph
-    residual = _residual(x, out, node_order(graph))
-    with graph.inserting_before(out):
-        if residual is None:
-            new = graph.call_function(torch.ops.transfuse.rms_norm.default, (x, weight, float(eps), offset, cast_before))
-            ctx.matched(PLAIN)
-        else:
-            a, b = residual
-            store_sum = any(u for u in x.users if not _inside(u, out))
-            fused = graph.call_function(
-                torch.ops.transfuse.add_rms_norm.default, (a, b, weight, float(eps), offset, cast_before, store_sum))
-            new = graph.call_function(operator.getitem, (fused, 0))
-            if store_sum:
-                total = graph.call_function(operator.getitem, (fused, 1))
-                total.meta["example_value"] = value(x)
-                x.replace_all_uses_with(total, delete_user_cb=lambda u: not _inside(u, out))
-            ctx.matched(FUSED)
-        new.meta["example_value"] = value(out)
-    out.replace_all_uses_with(new)
-    # The old normalisation nodes are dead now; the manager's dead-code pass removes them.
-
-
-def _residual(x: fx.Node, out: fx.Node, order: dict) -> tuple | None:
-    """(a, b) when x = a + b fits the fused kernel (norm._residual_add's rules) and every reader of
-    x outside this normalisation comes after its output, where the kernel produces the sum."""
-    outside = [u for u in x.users if not _inside(u, out)]
-    if any(order[u] < order[out] for u in outside):
-        return None
-    return _residual_add(x, out, {**order, **{u: order[out] + 1 for u in x.users if u not in outside}})
-
-
-def _inside(user: fx.Node, out: fx.Node) -> bool:
-    """Whether `user` is part of the normalisation that ends at `out` (so reads x only through it)."""
-    seen, stack = set(), [user]
-    while stack:
-        node = stack.pop()
-        if node is out:
-            return True
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.users)
-    return False
+    replace_with_norm(ctx, out, x, torch.ops.transfuse.rms_norm.default, torch.ops.transfuse.add_rms_norm.default,
+                      (weight, float(eps), offset, cast_before), (PLAIN, FUSED))
