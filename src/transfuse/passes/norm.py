@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 FUSED = "ResidualLayerNorm"
@@ -140,3 +140,23 @@ def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, 
             ctx.matched(names[1])
         new.meta["example_value"] = out.meta.get("example_value", out.meta.get("val"))
     out.replace_all_uses_with(new)
+
+
+def affine_param(others: list, statics: dict, xm) -> tuple | None | bool:
+    """For a step of a normalisation's tail: None when it reads no tensor besides the chain;
+    (param, the nodes deriving from it) when it reads one 1-D parameter of the hidden size, through
+    element-wise steps (`1.0 + weight.float()`); False for anything else."""
+    if not others:
+        return None
+    if len(others) != 1:
+        return False
+    node, derived = others[0], []
+    while node not in statics:
+        if kind(node) not in POINTWISE or len([a for a in node.all_input_nodes]) != 1:
+            return False
+        derived.append(node)
+        node = node.all_input_nodes[0]
+    wm = tensor_meta(node)
+    if wm is None or wm.dim() != 1 or not same_size(wm.shape[0], xm.shape[-1]):
+        return False
+    return node, list(reversed(derived))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, same_size, scalar, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import replace_with_norm
+from transfuse.passes.norm import affine_param, replace_with_norm
 from transfuse.reference.norm import rms_norm_ref
 
 FUSED = "ResidualRMSNorm"
@@ -98,7 +98,7 @@ def _hand_written(rsqrt: fx.Node, statics: dict):
         others = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if isinstance(a, fx.Node) and a is not end]
         if kind(nxt) == "to" and others == [x]:
             others = []  # `.type_as(x)`: x gives its dtype only
-        found = _weight_of(others, statics, xm)
+        found = affine_param(others, statics, xm)
         if found is False:
             break
         if found is not None:
@@ -140,25 +140,6 @@ def _squared(node: fx.Node) -> fx.Node | None:
     if kind(node) == "mul" and len(node.args) > 1 and node.args[0] is node.args[1] and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
-
-
-def _weight_of(others: list, statics: dict, xm) -> tuple | None | bool:
-    """None: no tensor operand besides the chain; (weight, nodes deriving from it): one 1-D static
-    parameter of the hidden size, through element-wise steps; False: anything else."""
-    if not others:
-        return None
-    if len(others) != 1:
-        return False
-    node, derived = others[0], []
-    while node not in statics:
-        if kind(node) not in POINTWISE or len([a for a in node.all_input_nodes]) != 1:
-            return False
-        derived.append(node)
-        node = node.all_input_nodes[0]
-    wm = tensor_meta(node)
-    if wm is None or wm.dim() != 1 or not same_size(wm.shape[0], xm.shape[-1]):
-        return False
-    return node, list(reversed(derived))
 
 
 def _flavour(nodes: list, out: fx.Node, x: fx.Node, weight: fx.Node | None, eps: float):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, node_order, same_size, scalar, static_inputs, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, node_order, scalar, static_inputs, tensor_meta
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import replace_with_norm
+from transfuse.passes.norm import affine_param, replace_with_norm
 from transfuse.reference.norm import layer_norm_ref
 
 FUSED = "ResidualWrittenLayerNorm"
@@ -116,8 +116,8 @@ def _match(root: fx.Node, statics: dict):
         if kind(nxt) == "to" and others == [x]:
             others = []
         if others:
-            param = _param(others, statics, xm)
-            if param is None:
+            param = affine_param(others, statics, xm)
+            if not param:
                 break
             params.append(param[0])
             chain.extend(param[1])
@@ -143,21 +143,6 @@ def node_order_between(start: fx.Node, end: fx.Node) -> list:
         stack.extend(n.all_input_nodes)
     order = node_order(end.graph)
     return sorted((n for n in needed if order[n] > order[start] and n.op in ("call_function", "call_method")), key=order.__getitem__)
-
-
-def _param(others: list, statics: dict, xm):
-    if len(others) != 1:
-        return None
-    node, derived = others[0], []
-    while node not in statics:
-        if kind(node) not in POINTWISE or len(node.all_input_nodes) != 1:
-            return None
-        derived.append(node)
-        node = node.all_input_nodes[0]
-    pm = tensor_meta(node)
-    if pm is None or pm.dim() != 1 or not same_size(pm.shape[0], xm.shape[-1]):
-        return None
-    return node, list(reversed(derived))
 
 
 def _affine(nodes: list, out: fx.Node, x: fx.Node, params: list, eps: float):
