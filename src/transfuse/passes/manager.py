@@ -1,7 +1,7 @@
 """The ordered registry of rewrite passes and the record of what each did.
 
-Order matters and is stated once, here: dropout goes first so that attention and epilogue chains are
-contiguous; attention before the GEMM passes (it consumes matmuls, not linears); sibling linears are
+Order matters and is stated once, here: in-place arithmetic on temporaries is written out of place
+first and dropout is removed next, so that attention and epilogue chains are contiguous; attention before the GEMM passes (it consumes matmuls, not linears); sibling linears are
 merged before epilogues are fused; residual adds go to the norm kernel before the GEMM epilogue
 gets a chance at them (the norm kernel can also store the sum when something else reads it).
 """
@@ -63,9 +63,10 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import attention, dropout, linear, merge_linears, norm, rms_norm, written_layer_norm
+    from transfuse.passes import attention, dropout, inplace, linear, merge_linears, norm, rms_norm, written_layer_norm
 
     return [
+        Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place"),
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention"),
         Pass("merge_linears", merge_linears.run, "linears reading one input -> one GEMM (QKV)"),
