@@ -282,3 +282,28 @@ def _graph_args(runner, model, inputs):
     finally:
         runner.__class__.__call__ = original
     return seen["args"]
+
+
+def test_vision_batch_padded_and_clip_eos_pooling_refused():
+    """ViT: the convolution keeps samples apart, so its batch is padded. CLIP's text model pools at
+    the argmax of input_ids (its EOS token): a reduction over the sequence, which must not be padded."""
+    import transformers
+
+    torch.manual_seed(0)
+    vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                       intermediate_size=96, image_size=32, patch_size=8)).eval()
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, vocab_size=97,
+        max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    transfuse.optimize(vit)
+    transfuse.optimize(clip)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 32, 32)
+            assert rel_err(vit(pixel_values=x).pooler_output, vit.forward.__wrapped__(pixel_values=x).pooler_output) < 1e-5
+            ids = torch.randint(3, 97, (batch, 5 + batch))
+            assert rel_err(clip(input_ids=ids).pooler_output, clip.forward.__wrapped__(input_ids=ids).pooler_output) < 1e-5
+    (runner,) = _runners(vit)
+    assert {key for key in runner.stats} == {(2,), (4,)}
+    text = transfuse.report(clip)
+    assert "argmax" in text and "reduces over a padded dimension" in text

@@ -273,6 +273,10 @@ class _Analysis:
             self.refuse(self.dim_syms(node.args[0], -1), node, "contracts over a padded dimension")
         elif name in _NORMS:
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
+        elif name in ("conv1d", "conv2d", "conv3d"):  # images and audio: samples of a batch stay apart
+            src = node.args[0]
+            self.refuse(set().union(*(self.dim_syms(src, d) for d in range(1, len(_dims(value(src)))))), node,
+                        "convolves over a padded dimension")
         elif name in ("layer_norm", "rms_norm", "group_norm"):  # torch's own, left as they were
             shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", ())
             count = len(shape) if isinstance(shape, (list, tuple)) and name != "group_norm" else len(_dims(value(node.args[0])))
