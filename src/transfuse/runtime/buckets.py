@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from transfuse.passes.padding import PaddingPlan
-from transfuse.runtime.cuda_graphs import GraphPool, _Captured
+from transfuse.runtime.cuda_graphs import GraphCache, GraphPool, _Captured
 
 
 class BucketPolicy:
@@ -57,27 +57,22 @@ class BucketStats:
     padded: int = 0  # product of the bucket sizes, summed over calls
 
 
-class PaddedRunner:
+class PaddedRunner(GraphCache):
     """Callable for Dynamo: pads to buckets, replays one graph per bucket (see the module docstring)."""
 
     def __init__(self, fn: Callable, plan: PaddingPlan, static_indices: list[int], pool: GraphPool,
                  policy: BucketPolicy, use_graphs: bool, max_graphs: int):
+        super().__init__(max_graphs)
         self.fn = fn
         self.plan = plan
         self.static_indices = static_indices
         self.pool = pool
         self.policy = policy
         self.use_graphs = use_graphs
-        self.max_graphs = max_graphs
         self.symbols = sorted(plan.names, key=str)
-        self.graphs: collections.OrderedDict = collections.OrderedDict()
         self.stats: dict[tuple, BucketStats] = collections.defaultdict(BucketStats)
         self.exact_calls = 0  # calls beyond the largest bucket (run without a graph)
         self._has_exact_sizes = bool(set(plan.names) - plan.paddable)
-        self.seen: collections.Counter = collections.Counter()
-        self.uncaptured_calls = 0  # first sightings of keys with exact sizes
-        self.evicted = 0
-        self.n_inputs = None
         self._dims_of_input: dict[int, list] = collections.defaultdict(list)
         for i, d, s in plan.tensor_dims:
             self._dims_of_input[i].append((d, s))
@@ -174,35 +169,18 @@ class PaddedRunner:
         if not self.use_graphs:
             outputs = self.fn(*self._padded_args(args, real, target))
             return self._slice_outputs(outputs, real, target, clone=False)
-        captured = self.graphs.get(key)
-        if captured is None and self._has_exact_sizes:
+        captured = self.lookup(key, args)
+        if captured is None:
             # Sizes that cannot be padded (a KV cache that grows every step) make one-off keys:
-            # capture a key the second time it comes, run it without a graph the first time.
-            self.seen[key] += 1
-            if len(self.seen) > 4096:
-                self.seen = collections.Counter({key: self.seen[key]})
-            if self.seen[key] < 2:
-                self.uncaptured_calls += 1
+            # those are captured the second time they come. Pure bucket keys are captured at once.
+            if self._has_exact_sizes and key not in self.graphs and self.first_sighting(key):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
-        if captured is None or not captured.still_valid(args):
-            captured = self._capture(key, args, real, target)
-            self._set_key_lens(real)  # the capture's warm-up ran with them; replay reads them again
-        else:
-            self.graphs.move_to_end(key)
+            padded = self._padded_args(args, real, target)
+            captured = self.store(key, _Captured(self.fn, padded, self.static_indices, self.pool))
         self._fill(captured, args, real)
         captured.graph.replay()
         return self._slice_outputs(captured.outputs, real, target, clone=True)
-
-    def _capture(self, key, args, real, target) -> _Captured:
-        captured = _Captured(self.fn, self._padded_args(args, real, target), self.static_indices, self.pool)
-        captured.buffers = dict(captured.inputs)
-        self.graphs[key] = captured
-        self.graphs.move_to_end(key)
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
-            self.evicted += 1
-        return captured
 
     def _fill(self, captured: _Captured, args, real: dict) -> None:
         for i, buf in captured.inputs:

@@ -82,25 +82,55 @@ class _Captured:
         return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
 
 
-class CudaGraphRunner:
-    """Callable for Dynamo: routes each exact input signature to its captured graph (the runner of
-    graphs whose dimensions cannot be padded to buckets, see runtime/buckets.py).
+class GraphCache:
+    """Captured graphs by key, least recently used dropped past `max_graphs`, and the count of keys
+    seen without a graph: the bookkeeping both runners share (they differ in what a key is)."""
 
-    A signature is captured the second time it is seen: the first call runs the rewritten graph
-    without one, so a stream of one-off shapes (a KV cache that grows every step) does not pay a
-    capture per call. At most `max_graphs` graphs are kept, least recently used dropped first."""
-
-    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32,
-                 capture_after: int = 2):
-        self.fn = fn
-        self.static_indices = static_indices
-        self.pool = pool
+    def __init__(self, max_graphs: int):
         self.max_graphs = max_graphs
-        self.capture_after = capture_after
         self.graphs: collections.OrderedDict = collections.OrderedDict()
         self.seen: collections.Counter = collections.Counter()
         self.uncaptured_calls = 0
         self.evicted = 0
+
+    def lookup(self, key, args):
+        """The graph for key, still valid for args (parameters not moved), or None."""
+        captured = self.graphs.get(key)
+        if captured is None or not captured.still_valid(args):
+            return None
+        self.graphs.move_to_end(key)
+        return captured
+
+    def first_sighting(self, key) -> bool:
+        """Counts a key that has no graph; True the first time: the caller runs it without one, so
+        a stream of one-off shapes (a KV cache that grows every step) pays no capture per call."""
+        self.seen[key] += 1
+        if len(self.seen) > 4096:  # one-off keys must not grow this forever
+            self.seen = collections.Counter({key: self.seen[key]})
+        if self.seen[key] < 2:
+            self.uncaptured_calls += 1
+            return True
+        return False
+
+    def store(self, key, captured: _Captured) -> _Captured:
+        self.graphs[key] = captured
+        self.graphs.move_to_end(key)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.evicted += 1
+        return captured
+
+
+class CudaGraphRunner(GraphCache):
+    """Callable for Dynamo: routes each exact input signature to its captured graph (the runner of
+    graphs whose dimensions cannot be padded to buckets, see runtime/buckets.py). A signature is
+    captured the second time it is seen (GraphCache.first_sighting)."""
+
+    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32):
+        super().__init__(max_graphs)
+        self.fn = fn
+        self.static_indices = static_indices
+        self.pool = pool
         self.dynamic_indices: list[int] | None = None
 
     def signature(self, args) -> tuple:
@@ -115,19 +145,9 @@ class CudaGraphRunner:
 
     def __call__(self, *args):
         key = self.signature(args)
-        captured = self.graphs.get(key)
+        captured = self.lookup(key, args)
         if captured is None:
-            self.seen[key] += 1
-            if len(self.seen) > 4096:  # a stream of one-off shapes must not grow this forever
-                self.seen = collections.Counter({key: self.seen[key]})
-            if self.seen[key] < self.capture_after:
-                self.uncaptured_calls += 1
+            if key not in self.graphs and self.first_sighting(key):
                 return self.fn(*args)  # fresh outputs: nothing static to protect
-        if captured is None or not captured.still_valid(args):
-            captured = _Captured(self.fn, args, self.static_indices, self.pool)
-            self.graphs[key] = captured
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-                self.evicted += 1
-        self.graphs.move_to_end(key)
+            captured = self.store(key, _Captured(self.fn, args, self.static_indices, self.pool))
         return captured.replay(args)
