@@ -44,6 +44,7 @@ _LAYOUT = {
     "reshape_as", "sym_size",
 }
 _CREATE = {"ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "ones_like", "zeros_like", "empty_like"}
+_FILL = {"full", "new_full", "full_like", "tensor", "scalar_tensor"}  # these also take a value
 _REDUCE = {
     "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "std", "var", "norm",
     "logsumexp", "softmax", "log_softmax", "any", "all", "count_nonzero", "median", "mode", "sort",
@@ -76,9 +77,11 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
     sym_args: dict = {}
     tensor_dims: list = []
     refused: dict = {}
+    shape_env = None
     for i, node in enumerate(placeholders):
         v = value(node)
         if isinstance(v, torch.SymInt):
+            shape_env = v.node.shape_env
             expr = v.node.expr
             if isinstance(expr, sympy.Symbol):
                 sym_args[i] = expr
@@ -86,6 +89,7 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
             for d, size in enumerate(v.shape):
                 if not isinstance(size, torch.SymInt):
                     continue
+                shape_env = size.node.shape_env
                 expr = size.node.expr
                 if isinstance(expr, sympy.Symbol):
                     tensor_dims.append((i, d, expr))
@@ -108,7 +112,7 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
 
     plan = PaddingPlan(
         names=names,
-        upper={s: _upper_bound(gm, s) for s in symbols},
+        upper={s: _upper_bound(shape_env, s) for s in symbols},
         sym_args=sym_args,
         tensor_dims=tensor_dims,
         output_dims=output_dims,
@@ -131,20 +135,12 @@ def _flat_outputs(out: Any) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _upper_bound(gm: fx.GraphModule, symbol) -> int | None:
+def _upper_bound(shape_env, symbol) -> int | None:
     """The largest value Dynamo's guards allow (e.g. the position table's length)."""
-    for node in gm.graph.find_nodes(op="placeholder"):
-        v = value(node)
-        fake_mode = getattr(v, "fake_mode", None)
-        shape_env = getattr(fake_mode, "shape_env", None) if fake_mode else None
-        if shape_env is None and isinstance(v, torch.SymInt):
-            shape_env = v.node.shape_env
-        if shape_env is not None:
-            bound = shape_env.var_to_range.get(symbol)
-            if bound is None or not isinstance(bound.upper, sympy.Integer):
-                return None  # unbounded (torch's int_oo)
-            return int(bound.upper)
-    return None
+    bound = shape_env.var_to_range.get(symbol)
+    if bound is None or not isinstance(bound.upper, sympy.Integer):
+        return None  # unbounded (torch's int_oo)
+    return int(bound.upper)
 
 
 def _name(node: fx.Node) -> str:
@@ -205,12 +201,7 @@ class _Analysis:
 
     def value_syms(self, node: fx.Node) -> set:
         """Symbols used as values (not sizes) in the arguments of an element-wise op."""
-        out: set = set()
-        for a in list(node.args) + list(node.kwargs.values()):
-            v = value(a) if isinstance(a, fx.Node) else a
-            if isinstance(v, (torch.SymInt, torch.SymFloat)):
-                out |= set(v.node.expr.free_symbols) & self.symbols
-        return out
+        return set().union(*(self.value_syms_of(a) for a in list(node.args) + list(node.kwargs.values())))
 
     # ---- the rules
     def visit(self, node: fx.Node) -> None:
@@ -237,8 +228,10 @@ class _Analysis:
         if name == "arange":
             self._arange(node)
             return
-        if name in _CREATE or name in ("full", "new_full", "full_like", "tensor", "scalar_tensor"):
-            self.refuse(self.value_syms(node) if name in ("full", "new_full", "full_like", "tensor", "scalar_tensor") else set(), node, "uses a padded size as a value")
+        if name in _CREATE:
+            return  # sizes only
+        if name in _FILL:
+            self.refuse(self.value_syms(node), node, "uses a padded size as a value")
             return
         if not involved:
             return
@@ -249,8 +242,6 @@ class _Analysis:
             self.refuse(self.counts.get(node.args[0], set()), node, "looks up positions counted along it")
         elif name == "gather":
             self._gather(node)
-            index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
-            self.refuse(self.counts.get(index, set()), node, "gathers positions counted along it")
         elif name in _PREFIX:
             # Position p reads positions <= p: padding at the end never reaches a real one.
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -354,6 +345,7 @@ class _Analysis:
         syms = self.dim_syms(src, dim)
         if syms and index not in self.identity:
             self.refuse(syms, node, "gathers along a padded dimension")
+        self.refuse(self.counts.get(index, set()), node, "gathers positions counted along it")
 
     def _reduce(self, node: fx.Node) -> None:
         name = _name(node)
