@@ -160,3 +160,49 @@ def affine_param(others: list, statics: dict, xm) -> tuple | None | bool:
     if wm is None or wm.dim() != 1 or not same_size(wm.shape[0], xm.shape[-1]):
         return False
     return node, list(reversed(derived))
+
+
+def is_last_dim_mean(node, src: fx.Node | None = None) -> bool:
+    """`t.mean(-1, keepdim=True)` (of `src` when given): the statistics of a row norm."""
+    if not isinstance(node, fx.Node):
+        return False
+    if not ((node.op == "call_method" and node.target == "mean") or (node.op == "call_function" and node.target is torch.mean)):
+        return False
+    if src is not None and node.args[0] is not src:
+        return False
+    dim, keepdim = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    t = tensor_meta(node.args[0]) if node.args else None
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return t is not None and keepdim is True and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % t.dim() == t.dim() - 1
+
+
+def norm_input(h: fx.Node) -> fx.Node:
+    """x for the statistics' operand h: `x.float()` / `x.to(torch.float32)` reads x itself."""
+    return h.args[0] if kind(h) == "to" and h.args and isinstance(h.args[0], fx.Node) else h
+
+
+def walk_tail(normed: fx.Node, x: fx.Node, statics: dict, max_params: int) -> tuple[list, list]:
+    """The tail after a normalisation: single-user element-wise steps reading constants, x for its
+    dtype only (`.type_as(x)`) and at most `max_params` 1-D parameters of the hidden size (weight,
+    bias; see affine_param). Returns (chain of nodes in graph order, the parameters read)."""
+    xm = tensor_meta(x)
+    chain, params, end = [normed], [], normed
+    while len(end.users) == 1:
+        nxt = next(iter(end.users))
+        if kind(nxt) not in POINTWISE or nxt.op not in ("call_function", "call_method"):
+            break
+        others = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if isinstance(a, fx.Node) and a is not end]
+        if kind(nxt) == "to" and others == [x]:
+            others = []  # `.type_as(x)`: x gives its dtype only
+        found = affine_param(others, statics, xm)
+        if found is False:
+            break
+        if found is not None:
+            if found[0] not in params and len(params) == max_params:
+                break
+            if found[0] not in params:
+                params.append(found[0])
+            chain.extend(found[1])
+        chain.append(nxt)
+        end = nxt
+    return chain, params

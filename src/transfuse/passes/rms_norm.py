@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, same_size, scalar, static_inputs, tensor_meta, value
+from transfuse.passes.graph import arg, evaluate, kind, same_size, scalar, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import affine_param, replace_with_norm
+from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, walk_tail
 from transfuse.reference.norm import rms_norm_ref
 
 FUSED = "ResidualRMSNorm"
@@ -74,13 +74,13 @@ def _hand_written(rsqrt: fx.Node, statics: dict):
         return None
     mean, eps = (added.args[0], added.args[1]) if isinstance(added.args[0], fx.Node) else (added.args[1], added.args[0])
     eps = scalar(eps)
-    if eps is None or not isinstance(mean, fx.Node) or not _is_last_dim_mean(mean):
+    if eps is None or not is_last_dim_mean(mean):
         return None
     square = mean.args[0]
     h = _squared(square)
     if h is None:
         return None
-    x = h.args[0] if kind(h) == "to" and h.args and isinstance(h.args[0], fx.Node) else h
+    x = norm_input(h)
     # Llama scales the fp32 copy, T5 the input itself (promoted to fp32 by the product): the same.
     normed = next((u for u in rsqrt.users if kind(u) == "mul" and (h in u.args[:2] or x in u.args[:2])), None)
     if normed is None:
@@ -88,26 +88,8 @@ def _hand_written(rsqrt: fx.Node, statics: dict):
     xm = tensor_meta(x)
     if xm is None or xm.dtype not in SUPPORTED_DTYPES or xm.dim() < 1:
         return None
-    # The tail: single-user element-wise steps after the normalisation, reading at most one 1-D
-    # parameter of the hidden size (the weight) and constants.
-    chain, weight, end = [normed], None, normed
-    while len(end.users) == 1:
-        nxt = next(iter(end.users))
-        if kind(nxt) not in POINTWISE or nxt.op not in ("call_function", "call_method"):
-            break
-        others = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if isinstance(a, fx.Node) and a is not end]
-        if kind(nxt) == "to" and others == [x]:
-            others = []  # `.type_as(x)`: x gives its dtype only
-        found = affine_param(others, statics, xm)
-        if found is False:
-            break
-        if found is not None:
-            if weight is not None and found[0] is not weight:
-                break
-            weight = found[0]
-            chain.extend(found[1])
-        chain.append(nxt)
-        end = nxt
+    chain, params = walk_tail(normed, x, statics, max_params=1)
+    weight = params[0] if params else None
     # The longest tail that computes one flavour of RMSNorm is the match.
     region = [h] if h is not x else []
     region += [square, mean, added, rsqrt]
@@ -119,18 +101,6 @@ def _hand_written(rsqrt: fx.Node, statics: dict):
         if flavour is not None:
             return out, x, w, eps, flavour[0], flavour[1]
     return None
-
-
-def _is_last_dim_mean(node: fx.Node) -> bool:
-    if not ((node.op == "call_method" and node.target == "mean") or (node.op == "call_function" and node.target is torch.mean)):
-        return False
-    dim = arg(node, 1, "dim")
-    keepdim = arg(node, 2, "keepdim", False)
-    src = tensor_meta(node.args[0]) if node.args else None
-    if src is None or keepdim is not True:
-        return False
-    dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % src.dim() == src.dim() - 1
 
 
 def _squared(node: fx.Node) -> fx.Node | None:

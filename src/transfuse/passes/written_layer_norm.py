@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import POINTWISE, arg, evaluate, kind, node_order, scalar, static_inputs, tensor_meta
+from transfuse.passes.graph import arg, evaluate, kind, node_order, scalar, static_inputs, tensor_meta
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import affine_param, replace_with_norm
+from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, walk_tail
 from transfuse.reference.norm import layer_norm_ref
 
 FUSED = "ResidualWrittenLayerNorm"
@@ -33,25 +33,12 @@ def run(ctx: PassContext) -> None:
                 _replace(ctx, *match)
 
 
-def _is_last_dim_mean(node, src=None) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if not ((node.op == "call_method" and node.target == "mean") or (node.op == "call_function" and node.target is torch.mean)):
-        return False
-    if src is not None and node.args[0] is not src:
-        return False
-    dim, keepdim = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
-    t = tensor_meta(node.args[0])
-    dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    return t is not None and keepdim is True and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % t.dim() == t.dim() - 1
-
-
 def _centered(node) -> tuple | None:
     """(h, mean node) for `h - h.mean(-1, keepdim=True)`."""
     if kind(node) != "sub" or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
         return None
     h, u = node.args[0], node.args[1]
-    return (h, u) if _is_last_dim_mean(u, h) else None
+    return (h, u) if is_last_dim_mean(u, h) else None
 
 
 def _variance(node) -> tuple | None:
@@ -66,7 +53,7 @@ def _variance(node) -> tuple | None:
                 and dims[0] % t.dim() == t.dim() - 1 and len(node.args) <= 2):
             return node.args[0], None
         return None
-    if _is_last_dim_mean(node):
+    if is_last_dim_mean(node):
         sq = node.args[0]
         if kind(sq) == "pow" and len(sq.args) > 1 and scalar(sq.args[1]) == 2.0:
             return _centered(sq.args[0])
@@ -101,28 +88,13 @@ def _match(root: fx.Node, statics: dict):
             break
     if normed is None:
         return None
-    x = h.args[0] if kind(h) == "to" and h.args and isinstance(h.args[0], fx.Node) else h
+    x = norm_input(h)
     xm = tensor_meta(x)
     if xm is None or xm.dtype not in SUPPORTED_DTYPES:
         return None
     region = ([h] if h is not x else []) + [u]
     region += [n for n in node_order_between(h, normed) if n not in region]
-    chain, params, end = [normed], [], normed
-    while len(end.users) == 1 and len(params) <= 2:
-        nxt = next(iter(end.users))
-        if kind(nxt) not in POINTWISE or nxt.op not in ("call_function", "call_method"):
-            break
-        others = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if isinstance(a, fx.Node) and a is not end]
-        if kind(nxt) == "to" and others == [x]:
-            others = []
-        if others:
-            param = affine_param(others, statics, xm)
-            if not param:
-                break
-            params.append(param[0])
-            chain.extend(param[1])
-        chain.append(nxt)
-        end = nxt
+    chain, params = walk_tail(normed, x, statics, max_params=2)
     for stop in range(len(chain), 0, -1):
         nodes = region + chain[:stop]
         used = [p for p in params if any(p in n.all_input_nodes for n in nodes)]
@@ -161,8 +133,8 @@ def _affine(nodes: list, out: fx.Node, x: fx.Node, params: list, eps: float):
         return None
     tol = 1e-5 if xm.dtype == torch.float32 else 1e-2
     options = [(None, None)]
-    if len(params) == 1:
-        options = [(params[0], None), (None, params[0])]
+    if len(params) == 1:  # scale only, shift only, or one parameter serving as both
+        options = [(params[0], None), (None, params[0]), (params[0], params[0])]
     elif len(params) == 2:
         options = [(params[0], params[1]), (params[1], params[0])]
     for w, b in options:
