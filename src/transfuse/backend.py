@@ -19,7 +19,7 @@ from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
-from transfuse.runtime.cuda_graphs import CudaGraphRunner, GraphPool
+from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool
 from transfuse.runtime.weights import MergedWeights
 
 log = logging.getLogger("transfuse")
@@ -31,8 +31,9 @@ class TransfuseError(RuntimeError):
 
 class StaleGraph(RuntimeError):
     """A parameter changed dtype, device or shape (`model.half()`, `model.to(...)`) but Dynamo
-    reused the graph compiled for the old one (it skips tensor guards on module parameters whose
-    module dict is unchanged). `optimize()` catches this and compiles afresh."""
+    reused the graph compiled for the old one (optimize() drops Dynamo's guards on module state, and
+    Dynamo skips tensor guards on parameters whose module dict is unchanged anyway). `optimize()`
+    catches this and compiles afresh."""
 
 
 class Backend:
@@ -78,17 +79,19 @@ class Backend:
         log.info("transfuse: %s", record.summary())
         ctx.example_inputs.clear()  # drop references to the real tensors
 
+        # Dynamo's guards on module parameters are dropped by optimize() (see guards.py): this one
+        # C call per call notices any parameter that moved; a moved one must keep its dtype, device
+        # and shape, or the graph is compiled afresh.
         params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
-        sentinels = params[:1] + params[-1:]  # model.to()/half() convert every parameter: two suffice
+        addresses = AddressCheck(example_inputs, static)
 
         def compiled(*args):
-            for i, dt, dev, shp in sentinels:
-                if args[i].dtype != dt or args[i].device != dev:
-                    raise StaleGraph("parameters changed dtype or device since this graph was compiled")
-            if merged.positions and merged.refresh(args):
+            if not addresses.same(args):
                 for i, dt, dev, shp in params:
                     if args[i].dtype != dt or args[i].device != dev or args[i].shape != shp:
                         raise StaleGraph("a parameter changed dtype, device or shape since this graph was compiled")
+                merged.refresh(args)  # a replaced member of a merged weight is copied in and re-pointed
+                addresses.reset(args)
             with torch.no_grad():
                 return runner(*args)
 

@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
+from transfuse.guards import ModuleWatch, drop_module_guards
 from transfuse.report import format_report
 from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
@@ -21,6 +22,7 @@ try:
 except ImportError:  # pragma: no cover - older torch
     _SIZE_OBLIVIOUS = None
 _STATE = "_transfuse_state"
+_TRAINING = "transfuse: the model is in training mode; call model.eval() first (training is not supported yet)"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -39,7 +41,8 @@ class _State:
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
             self.backends.append(self.backend)
         dynamic = None if self.backend.options.get("dynamic", True) else False
-        compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic)
+        options = None if self.backend.options.get("module_guards") else {"guard_filter_fn": drop_module_guards}
+        compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic, options=options)
         # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
         # also make a head count symbolic when a second model of the same class has another one.
         compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
@@ -59,7 +62,7 @@ def _check_model(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TransfuseError(f"transfuse.optimize expects a torch.nn.Module, got {type(model).__name__}")
     if model.training:
-        raise TransfuseError("transfuse.optimize: the model is in training mode; call model.eval() first (training is not supported yet)")
+        raise TransfuseError(_TRAINING)
     check_device(list(model.parameters()) + list(model.buffers()))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     unsupported = dtypes - set(SUPPORTED_DTYPES)
@@ -79,6 +82,7 @@ def optimize(
     max_graphs: int = 32,
     warmup: list | None = None,
     disable: tuple[str, ...] = (),
+    module_guards: bool = False,
     **options,
 ) -> torch.nn.Module:
     """Optimize `model` in place and return it: its forward is captured by TorchDynamo on the first
@@ -94,6 +98,8 @@ def optimize(
     warmup: shapes to capture now, with a progress bar: (batch, seq) pairs for Hugging Face models,
         or dicts of keyword arguments / tuples of positional arguments for any model.
     disable: names of passes to skip (see transfuse.passes.manager.registry()).
+    module_guards: keep Dynamo's guards on every submodule's state (slower calls; for models whose
+        submodules get plain attributes assigned while optimized, see transfuse.guards).
     """
     _check_model(model)
     if hasattr(model, _STATE):
@@ -109,19 +115,35 @@ def optimize(
         if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 256:
             setattr(torch._dynamo.config, name, 256)
     backend = Backend(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
-                      disable=tuple(disable), **options)
+                      disable=tuple(disable), module_guards=module_guards, **options)
     state = _State(backend, original, None)
     state.compile()
+    watch = None if module_guards else ModuleWatch(model)
 
     def forward(*args, **kwargs):
         if dynamic:
             _mark_dynamic(args, kwargs)
-        try:
-            return state.compiled(*args, **kwargs)
-        except StaleGraph:
-            # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
+        if model.training:
+            raise TransfuseError(_TRAINING)
+        if watch is not None and watch.changed():
+            # A module of the model changed (guards.py): a fresh backend is a new Dynamo cache entry.
             state.compile()
-            return state.compiled(*args, **kwargs)
+            watch.snapshot()
+        traced = len(state.backend.records)
+        try:
+            if watch is not None:
+                watch.in_call = True  # registrations the forward itself makes are Dynamo's to see
+            try:
+                return state.compiled(*args, **kwargs)
+            except StaleGraph:
+                # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
+                state.compile()
+                return state.compiled(*args, **kwargs)
+        finally:
+            if watch is not None:
+                watch.in_call = False
+                if len(state.backend.records) != traced:
+                    watch.snapshot()  # a trace may set attributes (a config default) once
 
     forward.__wrapped__ = original
     model.forward = forward
@@ -136,7 +158,10 @@ def _mark_dynamic(args, kwargs) -> None:
     """Every dimension of every input tensor may vary; Dynamo keeps static what the model fixes
     (a hidden size that meets a weight) and makes the rest symbolic. Dimensions of size 1 stay
     static: they are how a mask broadcasts, and a symbol there would hide the broadcast."""
-    for t in pytree.tree_leaves((args, kwargs)):
+    leaves = [*args, *kwargs.values()]
+    if not all(isinstance(v, torch.Tensor) or v is None for v in leaves):  # nested inputs, cache objects
+        leaves = pytree.tree_leaves((args, kwargs))
+    for t in leaves:
         for tensor in _cache_tensors(t) if not isinstance(t, torch.Tensor) else (t,):
             if isinstance(tensor, torch.nn.Parameter):
                 continue

@@ -120,12 +120,15 @@ def test_offsets_past_2_to_31_elements():
     x = torch.randn(rows, n, device="cuda", dtype=torch.float16)
     weight = torch.randn(n, device="cuda", dtype=torch.float16)
     out = rms_norm_fwd(x, weight, 1e-6, 0.0, True)
+    # A wrapped offset reads another row: errors of order 1. One fp16 rounding step (seen on an H100:
+    # 4 of 196,608 elements one ulp apart from the reference) is fine.
     for part in (slice(0, 2), slice(rows - 3, rows)):
-        torch.testing.assert_close(out[part], rms_norm_ref(x[part], weight, 1e-6, 0.0, True))
+        torch.testing.assert_close(out[part], rms_norm_ref(x[part], weight, 1e-6, 0.0, True), rtol=2e-3, atol=2e-3)
     del out
     out, s = add_layer_norm_fwd(x, x, weight, None, 1e-5, True)
     for part in (slice(0, 2), slice(rows - 3, rows)):
-        torch.testing.assert_close(out[part], layer_norm_ref(x[part] + x[part], weight, None, 1e-5))
+        torch.testing.assert_close(out[part], layer_norm_ref(x[part] + x[part], weight, None, 1e-5),
+                                   rtol=2e-3, atol=2e-3)
         assert torch.equal(s[part], x[part] + x[part])
 
 

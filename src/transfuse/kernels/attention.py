@@ -384,13 +384,28 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     SUMMARY_ENTRIES_PER_BLOCK: tl.constexpr = BLOCK_N // SUMMARY_BLOCK_N if BLOCK_N > SUMMARY_BLOCK_N else 1
 
-    acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
-        stride_k_seq, stride_v_seq, stride_mask_k, lo, mid,
-        offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
-        BLOCK_N, PAD_D, False, False, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
-        HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
-    )
+    clear = False
+    if HAS_SUMMARY:
+        # No mask entry of the bulk [lo, mid) masks anything (a padding mask seen from the real
+        # keys): the bulk runs the mask-free loop, FA-2's one FMA per score and no mask loads.
+        bulk = (offs_s >= lo // SUMMARY_BLOCK_N) & (offs_s < tl.cdiv(mid, SUMMARY_BLOCK_N))
+        clear = tl.min(tl.where(bulk, entries, 2), axis=0) == 2
+    if clear:
+        acc, l_i, m_i = _attention_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
+            stride_k_seq, stride_v_seq, stride_mask_k, lo, mid,
+            offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
+            BLOCK_N, PAD_D, False, False, False, MASK_IS_BOOL, MASK_BROADCAST_Q,
+            False, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
+        )
+    else:
+        acc, l_i, m_i = _attention_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
+            stride_k_seq, stride_v_seq, stride_mask_k, lo, mid,
+            offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
+            BLOCK_N, PAD_D, False, False, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
+            HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
+        )
     # The sequence end and the diagonal: at most a couple of blocks, with per-element tests.
     step = mid - lo
     k_ptrs += step.to(tl.int64) * stride_k_seq

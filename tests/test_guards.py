@@ -1,0 +1,97 @@
+"""optimize() drops Dynamo's per-module guards (transfuse/guards.py): every change those guards would
+have seen must still reach the output, through transfuse's own checks."""
+
+import pytest
+import torch
+
+import transfuse
+from tests.helpers import rel_err
+from tests.models.registry import REGISTRY
+from transfuse.backend import TransfuseError
+from transfuse.guards import ModuleWatch
+
+
+def _pair():
+    """An optimized model, an eager copy with the same weights, and inputs, after one call."""
+    model = REGISTRY[0].build("sdpa")
+    eager = REGISTRY[0].build("sdpa")
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 97, (2, 7))
+    transfuse.optimize(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    return model, eager, ids
+
+
+def _same(model, eager, ids, **kwargs):
+    with torch.no_grad():
+        out, ref = model(input_ids=ids, **kwargs), eager(input_ids=ids, **kwargs)
+    assert rel_err(out.last_hidden_state, ref.last_hidden_state) < 1e-5
+    return out, ref
+
+
+def test_forward_hook_added_after_optimize_runs():
+    model, eager, ids = _pair()
+    double = lambda module, inputs, output: output * 2  # noqa: E731
+    for m in (model, eager):
+        m.encoder.layer[0].output.dense.register_forward_hook(double)
+    _same(model, eager, ids)
+
+
+def test_swapped_submodule_is_used():
+    model, eager, ids = _pair()
+    torch.manual_seed(1)
+    new = torch.nn.Linear(*reversed(model.encoder.layer[1].output.dense.weight.shape))
+    model.encoder.layer[1].output.dense = new
+    eager.encoder.layer[1].output.dense = new
+    _same(model, eager, ids)
+
+
+def test_config_change_after_optimize_is_seen():
+    model, eager, ids = _pair()
+    model.config.output_hidden_states = True
+    eager.config.output_hidden_states = True
+    out, ref = _same(model, eager, ids)
+    assert out.hidden_states is not None and len(out.hidden_states) == len(ref.hidden_states)
+
+
+def test_train_mode_after_optimize_is_refused_then_eval_works():
+    model, eager, ids = _pair()
+    model.train()
+    with pytest.raises(TransfuseError, match="eval"), torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    _same(model, eager, ids)
+
+
+def test_module_guards_option_keeps_dynamo_guards():
+    model = REGISTRY[0].build("sdpa")
+    eager = REGISTRY[0].build("sdpa")
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 97, (2, 7))
+    transfuse.optimize(model, module_guards=True)
+    _same(model, eager, ids)
+    assert model._transfuse_state.backend.options["module_guards"] is True
+
+
+def test_module_watch_sees_each_kind_of_change():
+    model = REGISTRY[0].build("sdpa")
+    watch = ModuleWatch(model)
+    assert not watch.changed()
+    layer = model.encoder.layer[0].attention.self
+    layer.register_buffer("extra", torch.ones(1))
+    assert watch.changed()
+    watch.snapshot()
+    layer.query.weight = torch.nn.Parameter(layer.query.weight.detach().clone())
+    assert watch.changed()
+    watch.snapshot()
+    watch.in_call = True  # what the forward registers itself is Dynamo's to see
+    layer.register_buffer("during_call", torch.ones(1))
+    watch.in_call = False
+    assert not watch.changed()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert watch.changed()
+    finally:
+        handle.remove()
+    assert not watch.changed()
