@@ -47,6 +47,7 @@ _WIDEN_DOT_OPERANDS = tl.constexpr(INTERPRET)
 
 # M regimes. The row count picks which tile shapes are worth trying: tiles taller than the matrix
 # only waste work, and a 16-row GEMM is a weight-streaming problem, not a compute one.
+FEW_M_MAX = 16
 SMALL_M_MAX = 64
 MID_M_MAX = 1024
 
@@ -420,6 +421,7 @@ _TUNED: set[tuple] = set()
 # One dependable tile per regime, for capture of a key never tuned (safe only if that kernel was
 # launched before in this process, e.g. by an earlier call with the same epilogue and regime).
 _FIXED_TILES = {
+    "few": (16, 16, 256, 3, 2),
     "small": (16, 64, 128, 5, 4),
     "mid": (64, 128, 64, 4, 4),
     "large": (128, 128, 64, 4, 8),
@@ -501,7 +503,13 @@ def fixed_tile(m: int, gated: bool = False) -> tuple[int, int, int, int, int]:
     """The dependable tile of m's regime: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). One
     compiled kernel per regime and epilogue serves every row count, so a new shape compiles nothing."""
     bucket = m_bucket(m)
-    block_m, block_n, block_k, num_stages, num_warps = _FIXED_TILES[_regime(bucket)]
+    regime = _regime(bucket)
+    if bucket <= FEW_M_MAX:
+        # 16 rows: weight streaming. Narrow tiles put 4x more programs on the weights than the small
+        # regime's 64 columns (bench/kernels/bench_small_m.py, H200 2026-11-22, us per bert-base GEMM
+        # inside a graph: 768x768+residual 3.5 vs 4.4 (cuBLAS 5.1), 3072x768+GELU 5.2 vs 5.8 (6.9)).
+        regime = "few"
+    block_m, block_n, block_k, num_stages, num_warps = _FIXED_TILES[regime]
     if gated and block_m * block_n * 2 > 128 * 256:
         block_n //= 2
     return (min(block_m, bucket), block_n, block_k, num_stages, num_warps)
