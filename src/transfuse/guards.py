@@ -97,6 +97,10 @@ _INSTALLED = False
 
 
 def _on_registration(module, name, value):
+    if torch.compiler.is_compiling():
+        # A registration inside a forward Dynamo is tracing (a lazily built buffer): Dynamo sees it
+        # itself, and reading _WATCHES here would add a guard on how many models are alive.
+        return None
     for watch in list(_WATCHES):
         watch.registered(module)
     return None  # keep the value as registered

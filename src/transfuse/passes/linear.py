@@ -18,6 +18,7 @@ from transfuse.passes.graph import POINTWISE, arg, kind, same_shape, scalar, sha
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
+GATED = "SwiGLU"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 ACTIVATIONS = {
@@ -40,6 +41,16 @@ def run(ctx: PassContext) -> None:
             ctx.reject(PATTERN, node, reason)
             continue
         x, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        gated, why_not = _gated_silu(node)
+        if why_not:
+            ctx.reject(GATED, node, why_not)
+        if gated is not None:
+            with graph.inserting_before(gated):
+                new = graph.call_function(torch.ops.transfuse.linear.default, (x, weight, bias, "silu_mul", None))
+            new.meta["example_value"] = gated.meta.get("example_value")
+            gated.replace_all_uses_with(new)
+            ctx.matched(GATED)
+            continue
         activation, last = _activation(node)
         residual, last = _residual(last, node)
         with graph.inserting_before(last):
@@ -79,6 +90,50 @@ def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
         if probed.shape == expected.shape and torch.allclose(probed, expected, rtol=1e-5, atol=1e-6):
             return name, exit_node
     return "none", linear
+
+
+def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
+    """The `mul` node of silu(gate) * up when `linear` is a merged [gate; up] GEMM (SiblingLinears
+    made it from a gated MLP's two projections) whose halves meet that way; else None, with the
+    reason when it is a gated unit that the kernel cannot fuse."""
+    users = list(linear.users)
+    meta = tensor_meta(linear)
+    if meta is None or len(users) != 2 or any(not _is_narrow(u) for u in users):
+        return None, None
+    total = meta.shape[-1]
+    halves = {}
+    for u in users:
+        dim, start, length = u.args[1], u.args[2], u.args[3]
+        if dim not in (-1, meta.dim() - 1) or not isinstance(start, int) or length != total // 2:
+            return None, None
+        halves[start] = u
+    if set(halves) != {0, total // 2} or total % 2:
+        return None, None
+    first, second = halves[0], halves[total // 2]
+    for gate, up in ((first, second), (second, first)):
+        region, exit_node = _pointwise_region(gate)
+        if exit_node is None or len(exit_node.users) != 1 or len(up.users) != 1:
+            continue
+        mul = next(iter(exit_node.users))
+        if kind(mul) != "mul" or set(mul.args[:2]) != {exit_node, up} or tensor_meta(mul) is None:
+            continue
+        if tensor_meta(mul).dtype != meta.dtype or not same_shape(shape(mul), shape(up)):
+            continue
+        try:
+            probed = _evaluate(region, gate, exit_node, _PROBE)
+        except Exception:  # an op the probe cannot evaluate: not an activation we know
+            return None, None
+        if not torch.allclose(probed, F.silu(_PROBE), rtol=1e-5, atol=1e-6):
+            return None, "a gated unit whose activation is not SiLU (the kernel fuses silu(gate) * up only)"
+        if gate is second:
+            return None, "the gate projection comes after the up projection in the merged weight"
+        return mul, None
+    return None, None
+
+
+def _is_narrow(node: fx.Node) -> bool:
+    """`t.narrow(dim, start, length)` as SiblingLinears writes its column slices."""
+    return node.op == "call_method" and node.target == "narrow" and len(node.args) == 4
 
 
 def _pointwise_region(start: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
