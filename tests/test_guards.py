@@ -95,3 +95,33 @@ def test_module_watch_sees_each_kind_of_change():
     finally:
         handle.remove()
     assert not watch.changed()
+
+
+def test_deleted_model_releases_its_graphs():
+    """Dynamo keeps every backend (and its cache entries the traced graph) alive; the tensors
+    transfuse put on the graph (merged weights, key lengths) and its runners must go with the model."""
+    import gc
+    import weakref
+
+    model, _, ids = _pair()
+    backend = model._transfuse_state.backend
+    gm = backend.graphs[0]
+    held = [weakref.ref(t) for name, t in gm.named_buffers() if name.startswith("_transfuse")]
+    assert held, "the tiny BERT has merged QKV weights on its graph"
+    del model
+    gc.collect()
+    assert not backend.runners and not backend.graphs
+    assert all(ref() is None for ref in held)
+
+
+def test_restore_releases_and_keeps_working():
+    model, eager, ids = _pair()
+    backend = model._transfuse_state.backend
+    transfuse.restore(model)
+    assert not backend.graphs
+    _same_plain(model, eager, ids)
+
+
+def _same_plain(model, eager, ids):
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).last_hidden_state, eager(input_ids=ids).last_hidden_state) < 1e-5

@@ -46,6 +46,25 @@ class Backend:
         self.runners: list = []
         self.pool = GraphPool()
         self.merged: list[MergedWeights] = []
+        self._slots: list = []  # (runner, merged weights) per compiled graph, None once released
+
+    def release(self) -> None:
+        """Drops the graphs, CUDA graphs and merged weights this backend holds (the records stay,
+        for the report). Called when the optimized model is restored or garbage collected."""
+        for runner in self.runners:
+            if hasattr(runner, "graphs"):
+                runner.graphs.clear()
+        for gm in self.graphs:
+            # Dynamo's cache entries may keep the traced graph itself alive: not the tensors on it.
+            for name in [n for n in gm._buffers if n.startswith("_transfuse")]:
+                delattr(gm, name)
+            for node in gm.graph.nodes:
+                if node.op == "get_attr" and str(node.target).startswith("_transfuse"):
+                    node.meta.pop("example_value", None)  # the real buffer, as the passes recorded it
+        self._slots[:] = [None] * len(self._slots)
+        self.runners.clear()
+        self.graphs.clear()
+        self.merged.clear()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         _check_inputs(gm, example_inputs)
@@ -85,7 +104,18 @@ class Backend:
         params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
         addresses = AddressCheck(example_inputs, static)
 
+        # Dynamo keeps every backend alive for the life of the process (torch._dynamo.eval_frame's
+        # cached_backends): what holds memory (graph, CUDA graphs, merged weights) sits in a slot
+        # that release() empties once the model is gone.
+        slot = self._slots
+        slot.append((runner, merged))
+        index = len(slot) - 1
+
         def compiled(*args):
+            held = slot[index]
+            if held is None:
+                raise StaleGraph("this graph was released (its model was restored or deleted)")
+            runner, merged = held
             if not addresses.same(args):
                 for i, dt, dev, shp in params:
                     if args[i].dtype != dt or args[i].device != dev or args[i].shape != shp:

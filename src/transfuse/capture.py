@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -149,6 +150,8 @@ def optimize(
     model.forward = forward
     state.forward = forward
     setattr(model, _STATE, state)
+    # Dynamo never frees a backend; free what ours hold (CUDA graphs, merged weights) with the model.
+    weakref.finalize(model, _release, state.backends)
     if warmup:
         run_warmup(model, warmup)
     return model
@@ -194,7 +197,13 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     if model.__dict__.get("forward") is state.forward:
         del model.__dict__["forward"]
     delattr(model, _STATE)
+    _release(state.backends)
     return model
+
+
+def _release(backends: list) -> None:
+    for backend in backends:
+        backend.release()
 
 
 def report(model: torch.nn.Module) -> str:
