@@ -171,6 +171,25 @@ def test_measured_choice(times, expected, monkeypatch):
     assert choice.times_ms == times
 
 
+@pytest.mark.parametrize("measure_all", [False, True])
+def test_triton_timed_only_for_few_rows(measure_all, monkeypatch):
+    """Above TRITON_MAX_ROWS only cuBLAS is timed (no Triton compile while a new shape waits),
+    unless TRANSFUSE_GEMM_MEASURE_ALL asks for every candidate."""
+    if measure_all:
+        monkeypatch.setenv(gemm_ops.MEASURE_ALL_ENV, "1")
+    else:
+        monkeypatch.delenv(gemm_ops.MEASURE_ALL_ENV, raising=False)
+    seen = {}
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", lambda c, d: seen.update(c) or {n: 1.0 for n in c})
+    x, w, b, _, r = _cases()[1]
+    for m_bucket in (gemm_ops.TRITON_MAX_ROWS, 2 * gemm_ops.TRITON_MAX_ROWS):
+        seen.clear()
+        key = GemmKey(m_bucket, 24, 40, "float32", "gelu", True, True)
+        gemm_ops._measure(key, x, w, b, "gelu", r)
+        timed_triton = any(n.startswith("triton") for n in seen)
+        assert timed_triton == (m_bucket <= gemm_ops.TRITON_MAX_ROWS or measure_all), (m_bucket, seen)
+
+
 def test_measure_falls_back_when_triton_fails(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")

@@ -78,6 +78,14 @@ class GemmChoice:
     note: str = ""
 
 
+# Row buckets above this are not timed against Triton: on the H100 and H200 (2026-11-21/22,
+# bench/results/*profile-compare*, *encoder*) cuBLAS won every bert-base GEMM from 128 rows up, with or
+# without an epilogue to fuse, and each Triton candidate costs a compile per row regime and epilogue
+# (0.6-0.8 s with an empty cache) while a new input shape waits. TRANSFUSE_GEMM_MEASURE_ALL=1 times
+# Triton at every size (another GPU may differ); TRANSFUSE_GEMM_BACKEND=triton forces it.
+TRITON_MAX_ROWS = kernels.SMALL_M_MAX
+MEASURE_ALL_ENV = "TRANSFUSE_GEMM_MEASURE_ALL"
+
 _CHOICES: dict[GemmKey, GemmChoice] = {}
 _forced: Optional[str] = None
 _DISK: dict = {}  # device index -> cache file path, once its choices are loaded
@@ -236,6 +244,8 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     # seconds). The fixed tile is compiled once per regime and epilogue.
     tile = kernels.fixed_tile(M, activation == "silu_mul")
     splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
+    if key.m_bucket > TRITON_MAX_ROWS and not os.environ.get(MEASURE_ALL_ENV):
+        splits = []  # cuBLAS only, see TRITON_MAX_ROWS
     for split in splits:
         candidates[f"triton/split_k={split}"] = (
             lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split, tile=tile))
