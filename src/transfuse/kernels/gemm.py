@@ -343,7 +343,7 @@ def _linear_fwd_kernel(
                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
 def _linear_splitk_reduce_kernel(
     part_ptr, stride_part_split, stride_part_m,
     bias_ptr, stride_bias,

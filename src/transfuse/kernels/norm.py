@@ -85,7 +85,7 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
     return x.to(DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "size_d1"])  # row counts change with every input shape
 def _layer_norm_fwd_kernel(
     x_ptr, stride_x_d0, stride_x_d1,
     residual_ptr, stride_residual_d0, stride_residual_d1,
@@ -144,7 +144,7 @@ def _layer_norm_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out_row + cols[None, :], y, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "size_d1"])  # row counts change with every input shape
 def _rms_norm_fwd_kernel(
     x_ptr, stride_x_d0, stride_x_d1,
     residual_ptr, stride_residual_d0, stride_residual_d1,
