@@ -17,18 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertModel
 
 import transfuse
+from transfuse.bench.timing import measure
 
 
 def latency_ms(call, n=200):
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return measure(call, [()], warmup=0, iters=n).median_ms
 
 
 def host_ms(call, n=100):

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
 from transfuse.kernels._config import INTERPRET
-from transfuse.passes.graph import arg, kind, scalar, static_inputs
+from transfuse.passes.graph import arg, kind, scalar, static_inputs, written_inputs
 from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
@@ -75,7 +75,15 @@ class Backend:
         self.merged.append(merged)
         static = sorted(static_inputs(gm).values())
         use_graphs = self.options.get("cuda_graphs", True) and _on_cuda(example_inputs) and _graph_safe(gm, example_inputs)
-        plan = plan_padding(gm) if self.options.get("buckets", None) is not False else None
+        # Inputs the graph writes in place (a static KV cache): a CUDA graph must write the caller's
+        # tensor itself, not a copy, so they are read in place like parameters and never padded.
+        written = sorted(written_inputs(gm) - set(static))
+        padding = self.options.get("buckets", None) is not False
+        plan = plan_padding(gm) if padding and not written else None
+        if padding and written:
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            ctx.rejections.append(Rejection("BucketPadding", names[written[0]],
+                                            "the graph writes into this input in place; every input runs at its exact size"))
         if plan is not None:
             for symbol, reason in sorted(plan.refused.items(), key=str):
                 ctx.rejections.append(Rejection("BucketPadding", plan.names[symbol], reason + "; run at its exact size"))
@@ -83,7 +91,8 @@ class Backend:
             policy = BucketPolicy(self.options.get("buckets"))
             runner = PaddedRunner(gm, plan, static, self.pool, policy, use_graphs, self.options.get("max_graphs", 32))
         else:
-            runner = CudaGraphRunner(gm, static, self.pool, self.options.get("max_graphs", 32)) if use_graphs else gm
+            runner = (CudaGraphRunner(gm, static, self.pool, self.options.get("max_graphs", 32), written=written)
+                      if use_graphs else gm)
         self.runners.append(runner)
         record = GraphRecord(
             rewrites=dict(ctx.rewrites),

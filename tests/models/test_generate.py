@@ -34,3 +34,20 @@ def test_greedy_generate_matches_eager(family):
     assert traces == 2, f"{traces} traces: the decode steps should share one"
     text = transfuse.report(model)
     assert "TorchSDPA" in text and "key and value lengths differ" not in text
+
+
+def test_static_cache_generate_matches_eager():
+    """generate(cache_implementation="static"): the graph writes the cache in place (index_copy_); the
+    mask summary must come after every size it reads, and the written cache is never padded."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    ids = torch.randint(3, 97, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert "writes into this input in place" in transfuse.report(model)

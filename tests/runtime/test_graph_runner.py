@@ -10,7 +10,7 @@ from transfuse.runtime.cuda_graphs import CudaGraphRunner, GraphPool
 class _FakeCaptured:
     made: list = []
 
-    def __init__(self, fn, args, static_indices, pool):
+    def __init__(self, fn, args, static_indices, pool, written=()):
         _FakeCaptured.made.append(tuple(args[0].shape))
 
     def still_valid(self, args):
@@ -33,3 +33,71 @@ def test_capture_on_second_sighting_and_lru(monkeypatch):
     assert list(runner.graphs) == [runner.signature((a,)), runner.signature((c,))]  # b evicted
     assert runner.evicted == 1 and runner.uncaptured_calls == 3
     assert _FakeCaptured.made == [(2, 3), (4, 3), (5, 3)]
+
+
+class _CopyingCapture:
+    """CUDA graphs' semantics on the CPU: inputs not read in place live in buffers of the capture
+    (filled at every replay), the warm-up runs on copies of the inputs the graph writes, and a
+    replay re-runs the function on the buffers and on the caller's in-place inputs."""
+
+    def __init__(self, fn, args, static_indices, pool, written=()):
+        self.fn, self.static = fn, list(static_indices)
+        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.static]
+        self.args = list(args)
+        for i in self.copied:
+            self.args[i] = args[i].clone()
+        warm = list(self.args)
+        for i in written:
+            warm[i] = args[i].clone()
+        fn(*warm)
+        self.ptrs = [args[i].data_ptr() for i in self.static]
+
+    def still_valid(self, args):
+        return [args[i].data_ptr() for i in self.static] == self.ptrs
+
+    def replay(self, args):
+        for i in self.copied:
+            self.args[i].copy_(args[i])
+        return self.fn(*self.args)
+
+
+def test_input_written_in_place_reaches_the_callers_tensor_once_per_call(monkeypatch):
+    """A graph that writes into an input (a static KV cache; here `cache += x`, which shows a write
+    applied twice) must write the caller's tensor, once per call, captured or not."""
+    monkeypatch.setattr(cuda_graphs, "_Captured", _CopyingCapture)
+
+    def step(cache, x):
+        cache += x
+        return (cache.sum(),)
+
+    runner = CudaGraphRunner(step, [], GraphPool(), max_graphs=2, written=[0])
+    cache, x = torch.zeros(3), torch.ones(3)
+    for call in range(1, 5):  # eager, capture + replay, replay, replay
+        (total,) = runner(cache, x)
+        assert torch.equal(cache, torch.full((3,), float(call))) and total.item() == 3 * call
+    other = torch.zeros(3)  # a new cache tensor (a new generate call): re-captured, written in place
+    runner(other, x)
+    assert torch.equal(other, torch.ones(3)) and torch.equal(cache, torch.full((3,), 4.0))
+
+
+def test_written_inputs_found_through_views():
+    from transfuse.passes.graph import written_inputs
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["written"] = written_inputs(gm)
+        return gm.forward
+
+    def f(cache, x, pos, y, z):
+        cache.index_copy_(1, pos, x)  # a static KV cache update
+        y.view(-1)[0] = 1.0  # through a view
+        z2 = z * 2
+        z2 += 1  # a temporary: not an input
+        return cache.sum() + z2.sum()
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=backend)(torch.zeros(2, 8), torch.ones(2, 1), torch.tensor([3]), torch.zeros(4, 2),
+                                      torch.zeros(3))
+    names = ["cache", "pos", "x", "y", "z"]  # Dynamo's placeholder order for this function
+    assert {names[i] for i in seen["written"]} == {"cache", "y"}

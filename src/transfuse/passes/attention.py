@@ -30,6 +30,7 @@ from transfuse.passes.graph import (
     is_tensor,
     kind,
     hint,
+    node_order,
     same_shape,
     same_size,
     scalar,
@@ -292,7 +293,13 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
                 node.meta["example_value"] = size
             anchor, key = sizes[1], None
         else:
-            anchor, key = mask, (mask, str(seq_q), str(seq_k))
+            # After the mask and the size placeholders (a mask that is an input is a placeholder
+            # itself, possibly before the symbols Dynamo lifted for its sizes).
+            defined = [mask, *(s for s in sizes if isinstance(s, fx.Node))]
+            if any(d.op == "placeholder" for d in defined):
+                defined.append(list(graph.find_nodes(op="placeholder"))[-1])
+            order = node_order(graph)
+            anchor, key = max(defined, key=order.__getitem__), (mask, str(seq_q), str(seq_k))
         summary = summaries.get(key)
         if summary is None:
             with graph.inserting_after(anchor):

@@ -282,3 +282,47 @@ def evaluate(nodes: list, out: fx.Node, env: dict):
         else:
             env[node] = node.target(*args, **kwargs)
     return env[out]
+
+
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "narrow", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+    "expand_as", "select", "__getitem__", "contiguous", "t", "flatten", "unflatten", "as_strided", "detach",
+}
+_VIEW_FUNCTIONS = {operator.getitem, torch.narrow, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
+                   torch.squeeze, torch.select, torch.flatten, torch.t, torch.as_strided, torch.detach}
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def written_inputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of the graph inputs that the graph writes in place, directly or through a view
+    (a static KV cache's `index_copy_`, `x[i] = v`, `x += y` on an input). Conservative: a view op
+    is anything that may alias its input."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    base: dict[fx.Node, fx.Node] = {n: n for n in placeholders}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or not node.args:
+            continue
+        first = node.args[0]
+        root = base.get(first) if isinstance(first, fx.Node) else None
+        if root is None:
+            continue
+        if _writes_first_arg(node):
+            written.add(placeholders[root])
+        elif (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target in _VIEW_FUNCTIONS:
+            base[node] = root
+    return written
+
+
+def _writes_first_arg(node: fx.Node) -> bool:
+    target = node.target
+    if node.op == "call_method":
+        return target.endswith("_") and not target.startswith("__")
+    if target in _INPLACE_OPERATORS:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.arguments:
+        alias = schema.arguments[0].alias_info
+        return bool(alias is not None and alias.is_write)
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("__")

@@ -59,7 +59,7 @@ class AddressCheck:
 
 
 class _Captured:
-    def __init__(self, fn, args, static_indices, pool: GraphPool):
+    def __init__(self, fn, args, static_indices, pool: GraphPool, written=()):
         self.static_indices = static_indices
         self.addresses = AddressCheck(args, static_indices)
         self.inputs = []
@@ -75,8 +75,14 @@ class _Captured:
         before = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # Inputs the graph writes in place are warmed up on copies: the replay that follows the
+        # capture is the call's one write (twice would add twice for `cache += x`).
+        warm = list(self.args)
+        for i in written:
+            warm[i] = args[i].clone()
         with torch.cuda.stream(stream):
-            fn(*self.args)  # warm-up: compiles and autotunes every kernel outside capture
+            fn(*warm)  # warm-up: compiles and autotunes every kernel outside capture
+        del warm
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool.get()):
@@ -140,10 +146,15 @@ class CudaGraphRunner(GraphCache):
     graphs whose dimensions cannot be padded to buckets, see runtime/buckets.py). A signature is
     captured the second time it is seen (GraphCache.first_sighting)."""
 
-    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32):
+    def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32,
+                 written: list[int] = ()):
         super().__init__(max_graphs)
         self.fn = fn
         self.static_indices = static_indices
+        # Inputs the graph writes in place: read at their own address like parameters (a copy would
+        # take the writes), their shapes still part of the signature.
+        self.written = list(written)
+        self.in_place = sorted(set(static_indices) | set(written))
         self.pool = pool
         self.dynamic_indices: list[int] | None = None
 
@@ -163,5 +174,5 @@ class CudaGraphRunner(GraphCache):
         if captured is None:
             if key not in self.graphs and self.first_sighting(key):
                 return self.fn(*args)  # fresh outputs: nothing static to protect
-            captured = self.store(key, _Captured(self.fn, args, self.static_indices, self.pool))
+            captured = self.store(key, _Captured(self.fn, args, self.in_place, self.pool, self.written))
         return captured.replay(args)
