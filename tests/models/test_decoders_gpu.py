@@ -1,5 +1,6 @@
-"""Decoder families on the GPU (written this session, run by the next one with a device): Llama
-prefill through optimize() within fp16's own error, RMSNorm rewritten; generate() equal to eager."""
+"""Decoder families on the GPU: Llama prefill through optimize() within fp16's own error, RMSNorm
+rewritten; generate() equal to eager, with the dynamic and the static cache (the static-cache case
+was written without a GPU run: the next session with a device runs it)."""
 
 import copy
 
@@ -38,11 +39,16 @@ def test_llama_prefill_fp16_within_torch_error(batch, seq):
     assert "RMSNorm" in transfuse.report(opt)
 
 
-def test_generate_equals_eager():
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generate_equals_eager(cache):
+    """With a static cache the decode step writes the cache in place inside a CUDA graph (the
+    runner reads it at its own address); twice in a row, so the second generate reuses graphs."""
     model = _llama().float()
     ids = torch.randint(0, 1000, (2, 9), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, cache_implementation=cache)
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        ref = model.generate(ids, **kwargs)
         opt = transfuse.optimize(copy.deepcopy(model))
-        out = opt.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-    assert torch.equal(out, ref)
+        for _ in range(2):
+            out = opt.generate(ids, **kwargs)
+            assert torch.equal(out, ref)

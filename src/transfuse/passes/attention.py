@@ -25,7 +25,6 @@ import torch.fx as fx
 
 from transfuse.passes.graph import (
     arg,
-    dtype,
     is_last_two_transpose,
     is_tensor,
     kind,
