@@ -211,6 +211,26 @@ def test_encoder_runs_on_cpu_and_records_failures(tmp_path, monkeypatch):
     assert list(tmp_path.glob("*-cpu-encoder.json"))  # checkpointed after each provider
 
 
+def test_decoder_bench_runs_on_cpu(tmp_path, capsys):
+    """`transfuse bench --model llama-1.1b` at the tiny geometry: every provider generates, the
+    tables print, a prompt past the positions is reported as skipped, results are written."""
+    from transfuse.bench import decoder
+
+    argv = ["--model", "decoder-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
+            "--batches", "2", "--prompt", "4", "--new-tokens", "3", "--ttft-prompts", "8,500", "--iters", "1",
+            "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| transfuse | 2 |" in text and "beyond the model's 128 positions" in text
+    (path,) = tmp_path.glob("*-cpu-tiny.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["eager", "transfuse"] and not any("error" in r for r in rows)
+    model = decoder.make_model("tiny")
+    # untied head: the input table is read a row at a time, the output head whole
+    weights = sum(p.numel() * 4 for p in model.parameters()) - model.get_input_embeddings().weight.numel() * 4
+    assert decoder.step_bytes(model, 1, 0) == weights
+
+
 def test_errors_ignore_padding():
     ref = torch.randn(2, 4, 8)
     out = ref.clone()

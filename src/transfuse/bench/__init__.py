@@ -23,6 +23,11 @@ from typing import Sequence
 BENCHMARKS: dict[str, str] = {
     "encoder": "transfuse.bench.encoder",  # bert-base geometry forward, 4 providers x 7 shapes
     "dynamic": "transfuse.bench.dynamic",  # a stream of random shapes, warm-up included (--dynamic)
+    # decoder generate(): the geometry is the name (random weights), tiny for CPU smoke runs
+    "llama-1.1b": "transfuse.bench.decoder",
+    "llama-7b": "transfuse.bench.decoder",
+    "gpt2": "transfuse.bench.decoder",
+    "decoder-tiny": "transfuse.bench.decoder",
 }
 DEFAULT_BENCHMARK = "encoder"
 DEFAULT_OUT = os.path.join("bench", "results")
