@@ -10,6 +10,8 @@ chain that is none of them is left alone.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -93,23 +95,15 @@ def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
 
 
 def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
-    """The `mul` node of silu(gate) * up when `linear` is a merged [gate; up] GEMM (SiblingLinears
-    made it from a gated MLP's two projections) whose halves meet that way; else None, with the
-    reason when it is a gated unit that the kernel cannot fuse."""
-    users = list(linear.users)
+    """The `mul` node of silu(gate) * up when `linear` computes [gate; up] in one GEMM (SiblingLinears
+    merged a gated MLP's two projections, or the model has one gate_up projection that it chunks,
+    as Phi-3 does) and its halves meet that way; else None, with the reason when it is a gated unit
+    that the kernel cannot fuse."""
     meta = tensor_meta(linear)
-    if meta is None or len(users) != 2 or any(not _is_narrow(u) for u in users):
+    halves = _halves(linear, meta)
+    if halves is None:
         return None, None
-    total = meta.shape[-1]
-    halves = {}
-    for u in users:
-        dim, start, length = u.args[1], u.args[2], u.args[3]
-        if dim not in (-1, meta.dim() - 1) or not isinstance(start, int) or length != total // 2:
-            return None, None
-        halves[start] = u
-    if set(halves) != {0, total // 2} or total % 2:
-        return None, None
-    first, second = halves[0], halves[total // 2]
+    first, second = halves
     for gate, up in ((first, second), (second, first)):
         region, exit_node = _pointwise_region(gate)
         if exit_node is None or len(exit_node.users) != 1 or len(up.users) != 1:
@@ -129,6 +123,39 @@ def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
             return None, "the gate projection comes after the up projection in the merged weight"
         return mul, None
     return None, None
+
+
+def _halves(linear: fx.Node, meta) -> tuple[fx.Node, fx.Node] | None:
+    """The nodes holding the first and second half of `linear`'s last dimension, when its only
+    uses split it in two: two `narrow`s (SiblingLinears), or `chunk(2, -1)` / `split(n, -1)` and
+    the two items taken from it."""
+    users = list(linear.users)
+    if meta is None or meta.shape[-1] % 2:
+        return None
+    total = meta.shape[-1]
+    last = (-1, meta.dim() - 1)
+    if len(users) == 2 and all(_is_narrow(u) for u in users):
+        starts = {}
+        for u in users:
+            dim, start, length = u.args[1], u.args[2], u.args[3]
+            if dim not in last or not isinstance(start, int) or length != total // 2:
+                return None
+            starts[start] = u
+        return (starts[0], starts[total // 2]) if set(starts) == {0, total // 2} else None
+    if len(users) != 1:
+        return None
+    split = users[0]
+    name = split.target if split.op == "call_method" else getattr(split.target, "__name__", None)
+    if name not in ("chunk", "split") or split.op not in ("call_method", "call_function"):
+        return None
+    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("chunks", split.kwargs.get("split_size_or_sections"))
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim not in last or size != (2 if name == "chunk" else total // 2):
+        return None
+    items = {u.args[1]: u for u in split.users if u.target is operator.getitem and isinstance(u.args[1], int)}
+    if len(items) != len(split.users) or set(items) != {0, 1}:
+        return None
+    return items[0], items[1]
 
 
 def _is_narrow(node: fx.Node) -> bool:

@@ -1,0 +1,94 @@
+"""Decoder families through optimize() on the CPU (interpreter): logits equal to eager, generate()
+equal to eager with a left-padded batch, and the golden number of matches each pass makes on the
+prompt's trace. Tiny configs: 2 layers, hidden 64, 4 heads (2 KV heads where the family has GQA)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import transfuse
+from tests.helpers import rel_err
+
+COMMON = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, max_position_embeddings=64, **COMMON)
+
+# family -> (config class, model class, config, golden rewrites of the prompt's trace)
+FAMILIES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **COMMON),
+             {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_LIKE,
+              {"TorchSDPA": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4),
+                {"TorchSDPA": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE,  # bias on Q, K, V
+              {"TorchSDPA": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
+              {"TorchSDPA": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
+             {"TorchSDPA": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4}),
+}
+
+
+def _build(family):
+    config_cls, model_cls, config, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_logits_generate_and_matches(family):
+    model = _build(family)
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, attention_mask=mask).logits
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        out = model.generate(ids, **kwargs)
+    keep = mask.bool()
+    assert rel_err(logits[keep], ref_logits[keep]) < 1e-5
+    assert torch.equal(out, ref)
+    first = model._transfuse_state.backend.records[0].rewrites
+    assert dict(first) == FAMILIES[family][3]
+
+
+class NanoGPTBlock(torch.nn.Module):
+    """Attention as nanoGPT writes it by hand: one c_attn, split, masked_fill(-inf), softmax."""
+
+    def __init__(self, n=64, heads=4, seq=32):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(n), torch.nn.LayerNorm(n)
+        self.c_attn, self.c_proj = torch.nn.Linear(n, 3 * n), torch.nn.Linear(n, n)
+        self.fc, self.proj = torch.nn.Linear(n, 4 * n), torch.nn.Linear(4 * n, n)
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+def test_nanogpt_hand_written_attention():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NanoGPTBlock(), NanoGPTBlock()).eval()
+    x = torch.randn(2, 13, 64)
+    with torch.no_grad():
+        ref = model(x)
+        transfuse.optimize(model)
+        out = model(x)
+    assert rel_err(out, ref) < 1e-5
+    rewrites = model._transfuse_state.backend.records[0].rewrites
+    assert rewrites["ManualAttention"] == 2 and rewrites["LinearEpilogue"] == 8
