@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 
 import torch
@@ -35,6 +36,24 @@ class _State:
         self.compiled = compiled_forward
         self.forward = None
         self.graph_breaks_at_start = _graph_breaks()
+        self.eager_reason: str | None = None  # set when the model was handed back to eager (check_traces)
+
+    def check_traces(self, original, max_traces: int) -> None:
+        """Past max_traces, the model runs as it was (see optimize()), with the reason on record."""
+        traces = sum(len(b.records) for b in self.backends)
+        if traces <= max_traces:
+            return
+        from torch._dynamo.utils import guard_failures
+
+        code = getattr(original, "__code__", None)
+        # One reason per cached trace checked ("0/2: <guard> ..."): the newest trace's is the guard
+        # that keeps changing.
+        firsts = [f.strip().splitlines()[0] for f in guard_failures.get(code, ()) if f.strip()]
+        firsts = [ln for ln in firsts if re.match(r"\d+/\d+:", ln)]
+        last = max(firsts, key=lambda ln: int(ln.split(":")[0].split("/")[1])) if firsts else "unknown"
+        self.eager_reason = (f"traced {traces} times (more than max_traces={max_traces}); the last guard that "
+                             f"failed: {last[:200]}; the model now runs as it was")
+        log.warning("transfuse: %s", self.eager_reason)
 
     def compile(self) -> None:
         if self.compiled is not None:
@@ -84,6 +103,7 @@ def optimize(
     warmup: list | None = None,
     disable: tuple[str, ...] = (),
     module_guards: bool = False,
+    max_traces: int = 8,
     **options,
 ) -> torch.nn.Module:
     """Optimize `model` in place and return it: its forward is captured by TorchDynamo on the first
@@ -101,10 +121,15 @@ def optimize(
     disable: names of passes to skip (see transfuse.passes.manager.registry()).
     module_guards: keep Dynamo's guards on every submodule's state (slower calls; for models whose
         submodules get plain attributes assigned while optimized, see transfuse.guards).
+    max_traces: with dynamic shapes a model needs a trace or two (prompt, decode step); one that is
+        traced more often than this changes something Dynamo specialises on at every call (a
+        sliding-window cache's position counter): it then runs as it was, and the report says why.
     """
     _check_model(model)
     if hasattr(model, _STATE):
         return model
+    if max_traces < 1:
+        raise TransfuseError(f"transfuse.optimize: max_traces must be at least 1, got {max_traces}")
     if max_graphs < 1:
         raise TransfuseError(f"transfuse.optimize: max_graphs must be at least 1, got {max_graphs}")
     if buckets not in (None, False):
@@ -122,6 +147,8 @@ def optimize(
     watch = None if module_guards else ModuleWatch(model)
 
     def forward(*args, **kwargs):
+        if state.eager_reason is not None:
+            return original(*args, **kwargs)
         if dynamic:
             _mark_dynamic(args, kwargs)
         if model.training:
@@ -145,6 +172,8 @@ def optimize(
                 watch.in_call = False
                 if len(state.backend.records) != traced:
                     watch.snapshot()  # a trace may set attributes (a config default) once
+            if dynamic and len(state.backend.records) != traced:
+                state.check_traces(original, max_traces)
 
     forward.__wrapped__ = original
     model.forward = forward
@@ -214,5 +243,7 @@ def report(model: torch.nn.Module) -> str:
     records = [r for b in state.backends for r in b.records]
     runners = [r for b in state.backends for r in b.runners]
     text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
+    if state.eager_reason:
+        text += f"\n  left to eager: {state.eager_reason}"
     log.info(text)
     return text

@@ -92,3 +92,20 @@ def test_nanogpt_hand_written_attention():
     assert rel_err(out, ref) < 1e-5
     rewrites = model._transfuse_state.backend.records[0].rewrites
     assert rewrites["ManualAttention"] == 2 and rewrites["LinearEpilogue"] == 8
+
+
+def test_retrace_every_step_hands_the_model_back_to_eager():
+    """Mistral's sliding-window cache keeps a Python int position counter that Dynamo specialises
+    on, so every decode step is a new trace: past max_traces the model runs as it was, still right,
+    and the report names the guard."""
+    model = _build("mistral")
+    ids = torch.randint(3, 97, (2, 9))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model, max_traces=3)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert sum(len(b.records) for b in model._transfuse_state.backends) == 4
+    text = transfuse.report(model)
+    assert "left to eager: traced 4 times" in text and "cumulative_length" in text
