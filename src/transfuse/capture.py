@@ -40,7 +40,7 @@ class _State:
 
     def check_traces(self, original, max_traces: int) -> None:
         """Past max_traces, the model runs as it was (see optimize()), with the reason on record."""
-        traces = sum(len(b.records) for b in self.backends)
+        traces = len(self.backend.records)  # since the last deliberate re-compile (a changed model)
         if traces <= max_traces:
             return
         from torch._dynamo.utils import guard_failures
