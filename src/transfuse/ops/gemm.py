@@ -66,6 +66,8 @@ class GemmKey(NamedTuple):
     activation: str
     has_bias: bool
     has_residual: bool
+    # W read through a transposed view (GPT-2's Conv1D): another memory layout, another choice.
+    weight_transposed: bool = False
 
 
 @dataclass
@@ -282,7 +284,7 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
     if M == 0:
         return GemmChoice("torch")
     key = GemmKey(kernels.m_bucket(M), n_out, x.shape[-1], str(x.dtype).removeprefix("torch."),
-                  activation, bias is not None, residual is not None)
+                  activation, bias is not None, residual is not None, weight.stride(-1) != 1)
     capturing = torch.cuda.is_current_stream_capturing()
     if not capturing:
         _disk_path(x.device)
