@@ -19,7 +19,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import time
 from typing import Any, Callable
 
@@ -216,12 +215,7 @@ def summarize(results: dict[str, Any]) -> str:
 def write_and_print(results: dict[str, Any], args: argparse.Namespace) -> None:
     text = summarize(results)
     if not args.no_save:
-        os.makedirs(args.out, exist_ok=True)
-        gpu = results["gpu"].lower().replace(" ", "-")
-        stem = os.path.join(args.out, f"{results['date']}-{gpu}-{results['geometry']}")
-        with open(stem + ".json", "w") as f:
-            json.dump(results, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {stem}.json and .md")
+        from transfuse.bench.report import write_text_results
+
+        write_text_results(results, text, args.out, results["geometry"])
     print(text)

@@ -240,12 +240,7 @@ def summarize(results: dict[str, Any]) -> str:
 def write_and_print(results: dict[str, Any], args: argparse.Namespace) -> None:
     text = summarize(results)
     if not args.no_save:
-        os.makedirs(args.out, exist_ok=True)
-        gpu = results["gpu"].lower().replace(" ", "-")
-        stem = os.path.join(args.out, f"{results['date']}-{gpu}-dynamic")
-        with open(stem + ".json", "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        with open(stem + ".md", "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {stem}.json and .md")
+        from transfuse.bench.report import write_text_results
+
+        write_text_results(results, text, args.out, "dynamic")
     print(text)

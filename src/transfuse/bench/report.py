@@ -118,6 +118,17 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
     return paths
 
 
+def write_text_results(results: dict[str, Any], text: str, out_dir: str | os.PathLike, name: str) -> None:
+    """For benchmarks with their own tables (dynamic, decoder): <date>-<gpu>-<name>.json with the
+    results and .md with `text`, then the text on stdout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{results['date']}-{slugify(results['gpu'])}-{name}"
+    write_json(results, stem.with_suffix(".json"))
+    stem.with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
 # --- tables --------------------------------------------------------------------------------------
 
 def fmt_ms(ms: float | None) -> str:
