@@ -176,9 +176,19 @@ def optimize(
                 state.check_traces(original, max_traces)
 
     forward.__wrapped__ = original
+    # Inside somebody else's torch.compile (Hugging Face compiles the forward itself for a static
+    # cache), the outer trace must call this forward, not trace through it: it would swallow the
+    # transfuse graph into its own.
+    forward = torch._dynamo.disable(forward)
+    forward.__wrapped__ = original
     model.forward = forward
     state.forward = forward
     setattr(model, _STATE, state)
+    # generate() would compile the forward again for a static cache: transfuse is the compiler here.
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "disable_compile"):
+        state.disable_compile_was = generation.disable_compile
+        generation.disable_compile = True
     # Dynamo never frees a backend; free what ours hold (CUDA graphs, merged weights) with the model.
     weakref.finalize(model, _release, state.backends)
     if warmup:
@@ -225,6 +235,8 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
             p.data = p.data.clone()
     if model.__dict__.get("forward") is state.forward:
         del model.__dict__["forward"]
+    if hasattr(state, "disable_compile_was"):
+        model.generation_config.disable_compile = state.disable_compile_was
     delattr(model, _STATE)
     _release(state.backends)
     return model
