@@ -162,6 +162,17 @@ def affine_param(others: list, statics: dict, xm) -> tuple | None | bool:
     return node, list(reversed(derived))
 
 
+def statistic_plus_eps(root: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """(the add, the statistic, eps) when `root` (the rsqrt or sqrt of a hand-written norm) reads
+    `statistic + eps` with eps a compile-time scalar, in either order; else None."""
+    added = arg(root, 0, "input")
+    if kind(added) != "add" or len(added.args) < 2:
+        return None
+    stat, eps = (added.args[0], added.args[1]) if isinstance(added.args[0], fx.Node) else (added.args[1], added.args[0])
+    eps = scalar(eps)
+    return None if eps is None else (added, stat, eps)
+
+
 def is_last_dim_mean(node, src: fx.Node | None = None) -> bool:
     """`t.mean(-1, keepdim=True)` (of `src` when given): the statistics of a row norm."""
     if not isinstance(node, fx.Node):

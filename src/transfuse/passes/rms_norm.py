@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from transfuse.passes.graph import arg, evaluate, kind, same_size, scalar, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, walk_tail
+from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, statistic_plus_eps, walk_tail
 from transfuse.reference.norm import rms_norm_ref
 
 FUSED = "ResidualRMSNorm"
@@ -69,13 +69,10 @@ def _functional(node: fx.Node):
 
 def _hand_written(rsqrt: fx.Node, statics: dict):
     """(output node, x, weight, eps, offset, cast_before) or None when this rsqrt is no RMSNorm."""
-    added = arg(rsqrt, 0, "input")
-    if kind(added) != "add" or len(added.args) < 2:
+    denominator = statistic_plus_eps(rsqrt)
+    if denominator is None or not is_last_dim_mean(denominator[1]):
         return None
-    mean, eps = (added.args[0], added.args[1]) if isinstance(added.args[0], fx.Node) else (added.args[1], added.args[0])
-    eps = scalar(eps)
-    if eps is None or not is_last_dim_mean(mean):
-        return None
+    added, mean, eps = denominator
     square = mean.args[0]
     h = _squared(square)
     if h is None:

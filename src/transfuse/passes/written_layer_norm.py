@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from transfuse.passes.graph import arg, evaluate, kind, node_order, scalar, static_inputs, tensor_meta
 from transfuse.passes.manager import PassContext
-from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, walk_tail
+from transfuse.passes.norm import is_last_dim_mean, norm_input, replace_with_norm, statistic_plus_eps, walk_tail
 from transfuse.reference.norm import layer_norm_ref
 
 FUSED = "ResidualWrittenLayerNorm"
@@ -65,14 +65,11 @@ def _variance(node) -> tuple | None:
 
 
 def _match(root: fx.Node, statics: dict):
-    added = arg(root, 0, "input")
-    if kind(added) != "add" or len(added.args) < 2:
-        return None
-    var, eps = (added.args[0], added.args[1]) if isinstance(added.args[0], fx.Node) else (added.args[1], added.args[0])
-    eps = scalar(eps)
-    found = _variance(var) if eps is not None else None
+    denominator = statistic_plus_eps(root)
+    found = _variance(denominator[1]) if denominator is not None else None
     if found is None:
         return None
+    eps = denominator[2]
     h, u = found
     normed = None
     for n in root.users:  # `centered / sqrt(...)` or `centered * rsqrt(...)`
