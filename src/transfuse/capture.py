@@ -175,7 +175,6 @@ def optimize(
             if dynamic and len(state.backend.records) != traced:
                 state.check_traces(original, max_traces)
 
-    forward.__wrapped__ = original
     # Inside somebody else's torch.compile (Hugging Face compiles the forward itself for a static
     # cache), the outer trace must call this forward, not trace through it: it would swallow the
     # transfuse graph into its own.
