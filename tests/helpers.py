@@ -22,6 +22,25 @@ def optimize_and_run(model: torch.nn.Module, *args, **kwargs):
     return out, rewrites, rejections
 
 
+def eager_then_optimized(model: torch.nn.Module, *args, **kwargs):
+    """(eager output, optimized output, rewrites, rejections): the model run as it is, then through
+    optimize_and_run on the same inputs."""
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+    out, rewrites, rejections = optimize_and_run(model, *args, **kwargs)
+    return ref, out, rewrites, rejections
+
+
+def tiny_bert_twins():
+    """A tiny BERT (sdpa attention), an eager copy with the same weights, and input ids."""
+    from tests.models.registry import REGISTRY
+
+    model = REGISTRY[0].build("sdpa")
+    eager = REGISTRY[0].build("sdpa")
+    eager.load_state_dict(model.state_dict())
+    return model, eager, torch.randint(3, 97, (2, 7))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

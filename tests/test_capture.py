@@ -5,15 +5,11 @@ import torch
 import transformers
 
 import transfuse
-from tests.helpers import rel_err
-from tests.models.registry import REGISTRY
+from tests.helpers import rel_err, tiny_bert_twins
 
 
 def test_outer_torch_compile_keeps_the_transfuse_graph():
-    model = REGISTRY[0].build("sdpa")
-    eager = REGISTRY[0].build("sdpa")
-    eager.load_state_dict(model.state_dict())
-    ids = torch.randint(3, 97, (2, 7))
+    model, eager, ids = tiny_bert_twins()
     transfuse.optimize(model)
     outer = torch.compile(model, backend="eager")
     with torch.no_grad():

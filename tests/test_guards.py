@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import transfuse
-from tests.helpers import rel_err
+from tests.helpers import rel_err, tiny_bert_twins
 from tests.models.registry import REGISTRY
 from transfuse.backend import TransfuseError
 from transfuse.guards import ModuleWatch
@@ -13,10 +13,7 @@ from transfuse.guards import ModuleWatch
 
 def _pair():
     """An optimized model, an eager copy with the same weights, and inputs, after one call."""
-    model = REGISTRY[0].build("sdpa")
-    eager = REGISTRY[0].build("sdpa")
-    eager.load_state_dict(model.state_dict())
-    ids = torch.randint(3, 97, (2, 7))
+    model, eager, ids = tiny_bert_twins()
     transfuse.optimize(model)
     with torch.no_grad():
         model(input_ids=ids)
@@ -65,10 +62,7 @@ def test_train_mode_after_optimize_is_refused_then_eval_works():
 
 
 def test_module_guards_option_keeps_dynamo_guards():
-    model = REGISTRY[0].build("sdpa")
-    eager = REGISTRY[0].build("sdpa")
-    eager.load_state_dict(model.state_dict())
-    ids = torch.randint(3, 97, (2, 7))
+    model, eager, ids = tiny_bert_twins()
     transfuse.optimize(model, module_guards=True)
     _same(model, eager, ids)
     assert model._transfuse_state.backend.options["module_guards"] is True
@@ -119,9 +113,5 @@ def test_restore_releases_and_keeps_working():
     backend = model._transfuse_state.backend
     transfuse.restore(model)
     assert not backend.graphs
-    _same_plain(model, eager, ids)
+    _same(model, eager, ids)
 
-
-def _same_plain(model, eager, ids):
-    with torch.no_grad():
-        assert rel_err(model(input_ids=ids).last_hidden_state, eager(input_ids=ids).last_hidden_state) < 1e-5

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import optimize_and_run, rel_err
+from tests.helpers import eager_then_optimized, rel_err
 
 
 class HandWritten(torch.nn.Module):
@@ -80,9 +80,7 @@ def test_attention_variants(variant):
     mask = make_mask(b, t) if make_mask else None
     if variant == "where":
         mask[..., 0] = True  # every query sees at least one key: no all-masked rows here
-    with torch.no_grad():
-        ref = model(x, mask)
-    out, rewrites, rejections = optimize_and_run(model, x, mask)
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, mask)
     assert rewrites.get(pattern, 0) == matches
     if matches == 0 and variant == "fill_zero":
         assert any("masked_fill" in r.reason for r in rejections)
@@ -95,9 +93,7 @@ def test_all_masked_rows_match_eager():
     x = torch.randn(2, 7, 32)
     mask = torch.zeros(2, 1, 1, 7)
     mask[1] = torch.finfo(torch.float32).min
-    with torch.no_grad():
-        ref = model(x, mask)
-    out, rewrites, _ = optimize_and_run(model, x, mask)
+    ref, out, rewrites, _ = eager_then_optimized(model, x, mask)
     assert rewrites["ManualAttention"] == 1
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-5
@@ -107,7 +103,5 @@ def test_nan_input_gives_nan_like_eager():
     model = HandWritten("nanogpt").eval()
     x = torch.randn(2, 5, 32)
     x[0, 2, 3] = float("nan")
-    with torch.no_grad():
-        ref = model(x)
-    out, _, _ = optimize_and_run(model, x)
+    ref, out, _, _ = eager_then_optimized(model, x)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))

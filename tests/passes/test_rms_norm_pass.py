@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import optimize_and_run, rel_err
+from tests.helpers import eager_then_optimized, rel_err
 
 
 class Norm(torch.nn.Module):
@@ -59,9 +59,7 @@ def test_rms_norm_styles(style, dtype):
     torch.manual_seed(0)
     model = Norm(style).eval().to(dtype)
     x = torch.randn(2, 7, 40).to(dtype)
-    with torch.no_grad():
-        ref = model(x)
-    out, rewrites, rejections = optimize_and_run(model, x)
+    ref, out, rewrites, rejections = eager_then_optimized(model, x)
     assert rewrites["RMSNorm"] == 1 and rewrites["ResidualRMSNorm"] == 1
     assert out.dtype == ref.dtype
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 2e-3)
@@ -72,8 +70,6 @@ def test_look_alikes_left_alone(style):
     torch.manual_seed(0)
     model = Norm(style).eval()
     x = torch.randn(2, 7, 40)
-    with torch.no_grad():
-        ref = model(x)
-    out, rewrites, _ = optimize_and_run(model, x)
+    ref, out, rewrites, _ = eager_then_optimized(model, x)
     assert rewrites["RMSNorm"] == 0 and rewrites["ResidualRMSNorm"] == 0
     assert rel_err(out, ref) < 1e-6

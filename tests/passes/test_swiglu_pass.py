@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.helpers import optimize_and_run, rel_err
+from tests.helpers import eager_then_optimized, optimize_and_run, rel_err
 
 
 class GatedMLP(torch.nn.Module):
@@ -36,9 +36,7 @@ def _run(style, bias=False):
     torch.manual_seed(0)
     model = GatedMLP(style, bias=bias).eval()
     x = torch.randn(3, 5, 24)
-    with torch.no_grad():
-        ref = model(x)
-    out, rewrites, rejections = optimize_and_run(model, x)
+    ref, out, rewrites, rejections = eager_then_optimized(model, x)
     return out, ref, rewrites, rejections
 
 

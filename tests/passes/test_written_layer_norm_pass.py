@@ -4,7 +4,7 @@ look-alikes are left alone."""
 import pytest
 import torch
 
-from tests.helpers import optimize_and_run, rel_err
+from tests.helpers import eager_then_optimized, rel_err
 
 
 class Written(torch.nn.Module):
@@ -50,9 +50,7 @@ def test_written_layer_norm(style, dtype):
     torch.manual_seed(0)
     model = Written(style).eval().to(dtype)
     x = (torch.randn(2, 5, 48) * 2 + 0.5).to(dtype)
-    with torch.no_grad():
-        ref = model(x)
-    out, rewrites, _ = optimize_and_run(model, x)
+    ref, out, rewrites, _ = eager_then_optimized(model, x)
     assert rewrites["WrittenLayerNorm"] == 1 and rewrites["ResidualWrittenLayerNorm"] == 1
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
 
@@ -62,8 +60,6 @@ def test_look_alikes_left_alone(style):
     torch.manual_seed(0)
     model = Written(style).eval()
     x = torch.randn(2, 5, 48)
-    with torch.no_grad():
-        ref = model(x)
-    out, rewrites, _ = optimize_and_run(model, x)
+    ref, out, rewrites, _ = eager_then_optimized(model, x)
     assert rewrites["WrittenLayerNorm"] == 0 and rewrites["ResidualWrittenLayerNorm"] == 0
     assert rel_err(out, ref) < 1e-5
