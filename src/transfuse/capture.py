@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.guards import ModuleWatch, drop_module_guards
 from transfuse.report import format_report
+from transfuse.runtime import generation as _generation
 from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
 
@@ -104,6 +105,7 @@ def optimize(
     disable: tuple[str, ...] = (),
     module_guards: bool = False,
     max_traces: int = 8,
+    static_cache: bool = True,
     **options,
 ) -> torch.nn.Module:
     """Optimize `model` in place and return it: its forward is captured by TorchDynamo on the first
@@ -124,6 +126,8 @@ def optimize(
     max_traces: with dynamic shapes a model needs a trace or two (prompt, decode step); one that is
         traced more often than this changes something Dynamo specialises on at every call (a
         sliding-window cache's position counter): it then runs as it was, and the report says why.
+    static_cache: generate() without a cache named by the user uses a static KV cache, reused across
+        calls, so that each decode step replays one CUDA graph (runtime/generation.py).
     """
     _check_model(model)
     if hasattr(model, _STATE):
@@ -188,6 +192,10 @@ def optimize(
     if generation is not None and hasattr(generation, "disable_compile"):
         state.disable_compile_was = generation.disable_compile
         generation.disable_compile = True
+    if static_cache:
+        _generation.install(model, state)
+    else:
+        state.static_cache_reason = "optimize(static_cache=False)"
     # Dynamo never frees a backend; free what ours hold (CUDA graphs, merged weights) with the model.
     weakref.finalize(model, _release, state.backends)
     if warmup:
@@ -203,23 +211,27 @@ def _mark_dynamic(args, kwargs) -> None:
     if not all(isinstance(v, torch.Tensor) or v is None for v in leaves):  # nested inputs, cache objects
         leaves = pytree.tree_leaves((args, kwargs))
     for t in leaves:
-        for tensor in _cache_tensors(t) if not isinstance(t, torch.Tensor) else (t,):
-            if isinstance(tensor, torch.nn.Parameter):
-                continue
+        for tensor, dims in _cache_tensors(t) if not isinstance(t, torch.Tensor) else ((t, None),):
+            if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_dynamo_weak_dynamic_indices", None):
+                continue  # already marked (a static cache's tensors come back every decode step)
             for d, size in enumerate(tensor.shape):
-                if size > 1:
+                if size > 1 and (dims is None or d in dims):
                     torch._dynamo.maybe_mark_dynamic(tensor, d)
 
 
 def _cache_tensors(obj) -> list:
-    """The key/value tensors of a Hugging Face cache object (DynamicCache: `.layers[i].keys/.values`):
-    their length grows every generated token, and left static it would cost a trace per token."""
+    """The key/value tensors of a Hugging Face cache object (`.layers[i].keys/.values`) with the
+    dimensions that may vary. A dynamic cache grows every generated token: its batch and length
+    (every dimension) are dynamic, or each token would cost a trace. A static cache keeps one shape
+    for all the steps of a generate() call; its batch and length (dims 0 and 2) are dynamic so that
+    another batch size or cache length is not another trace, its heads and head dim are not."""
     out = []
     for layer in getattr(obj, "layers", None) or ():
+        dims = (0, 2) if getattr(layer, "is_compileable", False) else None
         for name in ("keys", "values"):
             t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
+            if isinstance(t, torch.Tensor) and t.dim() == 4:
+                out.append((t, dims))
     return out
 
 
@@ -236,6 +248,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         del model.__dict__["forward"]
     if hasattr(state, "disable_compile_was"):
         model.generation_config.disable_compile = state.disable_compile_was
+    _generation.uninstall(model, state)
     delattr(model, _STATE)
     _release(state.backends)
     return model
@@ -256,5 +269,9 @@ def report(model: torch.nn.Module) -> str:
     text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
+    if getattr(state, "static_cache", None) is not None:
+        text += f"\n  generate(): {state.static_cache.describe()}"
+    elif getattr(state, "static_cache_reason", None) and hasattr(model, "generate"):
+        text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
     log.info(text)
     return text

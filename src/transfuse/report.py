@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections import Counter
 
+import torch
 import torch.fx as fx
 
 from transfuse.passes.graph import hint, kind, tensor_meta
@@ -46,6 +47,11 @@ def node_flops(node: fx.Node) -> float:
         if x is None or w is None:
             return 0.0
         return 2.0 * _numel(x) / _dims(x)[-1] * w.shape[0] * w.shape[1]
+    if node.target is torch.addmm and len(node.args) == 3:  # bias + a @ b (GPT-2's Conv1D)
+        out, a = tensor_meta(node), tensor_meta(node.args[1])
+        if out is None or a is None:
+            return 0.0
+        return 2.0 * _numel(out) * _dims(a)[-1]
     if kind(node) == "matmul":
         out, a = tensor_meta(node), tensor_meta(node.args[0])
         if out is None or a is None:
@@ -99,13 +105,21 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
     for runner in runners:
         if hasattr(runner, "uncaptured_calls") and (runner.uncaptured_calls or runner.evicted):
             lines.append(f"  exact-shape graphs: {len(runner.graphs)} kept, {runner.evicted} evicted, "
-                         f"{runner.uncaptured_calls} call(s) of a shape seen once ran without a graph")
+                         f"{runner.uncaptured_calls} call(s) ran without a graph ({_uncaptured_why(runner)})")
         if hasattr(runner, "bucket_report"):
             kept = f", {len(runner.graphs)} kept" if runner.use_graphs else ""
             lines.append(f"  buckets ({len(runner.stats)} used{kept}, {runner.evicted} evicted):")
             lines.extend(f"    {line}" for line in runner.bucket_report())
             if runner.uncaptured_calls:
-                lines.append(f"    {runner.uncaptured_calls} call(s) of a key with exact (unpadded) sizes seen once ran without a graph")
+                lines.append(f"    {runner.uncaptured_calls} call(s) with exact (unpadded) sizes ran without a graph "
+                             f"({_uncaptured_why(runner)})")
             if runner.exact_calls:
                 lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
     return "\n".join(lines)
+
+
+def _uncaptured_why(runner) -> str:
+    if runner.too_many:
+        return (f"{runner.wasted} graphs were evicted before a replay: more distinct exact shapes come round than "
+                f"max_graphs={runner.max_graphs} holds, e.g. a dynamic KV cache that grows every token; no more captures")
+    return "a shape is captured the second time it comes"

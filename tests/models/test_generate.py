@@ -51,3 +51,38 @@ def test_static_cache_generate_matches_eager():
         out = model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
     assert "writes into this input in place" in transfuse.report(model)
+
+
+def test_default_static_cache_is_reused_and_user_caches_are_left_alone():
+    """With no cache named, generate() runs on a static cache (one shape per step: one CUDA graph),
+    the same tensors from call to call while batch and length fit; a DynamicCache the user passes,
+    or static_cache=False, keeps Hugging Face's behaviour; restore() undoes it all."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    ids = torch.randint(3, 97, (2, 5))
+    with torch.no_grad():
+        ref6 = model.generate(ids, max_new_tokens=6, do_sample=False)
+        ref9 = model.generate(ids, max_new_tokens=9, do_sample=False)
+        transfuse.optimize(model)
+        state = model._transfuse_state
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), ref6)
+        (cache, length), = state.static_cache.caches.values()
+        keys = cache.layers[0].keys
+        assert torch.equal(model.generate(ids, max_new_tokens=9, do_sample=False), ref9)
+        assert state.static_cache.reused == 1 and cache.layers[0].keys is keys  # same tensors: same graphs
+        user = transformers.DynamicCache(config=model.config)
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=user), ref6)
+        assert user.get_seq_length() > 0 and state.static_cache.reused == 1
+    assert "static KV cache by default: 1 created, 1 reused" in transfuse.report(model)
+    transfuse.restore(model)
+    assert "generate" not in model.__dict__ and "_prepare_static_cache" not in model.__dict__
+
+
+def test_static_cache_can_be_turned_off():
+    model = _lm("gpt2").eval()
+    transfuse.optimize(model, static_cache=False)
+    assert "generate" not in model.__dict__
+    ids = torch.randint(3, 97, (1, 4))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert "Hugging Face's default cache (optimize(static_cache=False))" in transfuse.report(model)

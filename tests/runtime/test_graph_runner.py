@@ -101,3 +101,20 @@ def test_written_inputs_found_through_views():
                                       torch.zeros(3))
     names = ["cache", "pos", "x", "y", "z"]  # Dynamo's placeholder order for this function
     assert {names[i] for i in seen["written"]} == {"cache", "y"}
+
+
+def test_no_more_captures_once_the_cache_thrashes(monkeypatch):
+    """Shapes that come round once per cycle, more of them than the cap (generate() over a dynamic
+    cache, called again with the same lengths): after half a cache's worth of graphs was evicted
+    unreplayed, the runner stops capturing instead of capturing every call."""
+    monkeypatch.setattr(cuda_graphs, "_Captured", _FakeCaptured)
+    _FakeCaptured.made = []
+    runner = CudaGraphRunner(lambda *args: ("eager",), [], GraphPool(), max_graphs=4)
+    shapes = [torch.zeros(n, 3) for n in range(1, 17)]
+    for _ in range(2):
+        [runner(x) for x in shapes]
+    assert runner.too_many and runner.wasted == 3
+    assert len(_FakeCaptured.made) == 7  # 4 kept + 3 evicted unreplayed, then none
+    results = [runner(x) for x in shapes]
+    assert len(_FakeCaptured.made) == 7 and results.count(("replayed",)) <= 4  # the kept graphs still replay
+    assert "evicted before a replay" in __import__("transfuse.report", fromlist=["x"])._uncaptured_why(runner)

@@ -207,13 +207,36 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+# Tensor methods and functions that only compute a value: unused, they are dead. (A rewritten norm
+# leaves its statistic behind: `variance = x.float().pow(2).mean(-1)`, three kernels a call.)
+_PURE_METHODS = frozenset({
+    "to", "float", "half", "bfloat16", "type_as", "pow", "mean", "sum", "rsqrt", "sqrt", "exp", "cos", "sin",
+    "mul", "add", "sub", "div", "neg", "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze",
+    "squeeze", "expand", "narrow", "size", "dim", "clone",
+})
+_PURE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
+    torch.cat, torch.rsqrt, torch.mean, torch.pow, torch.cos, torch.sin, torch.exp, torch.arange,
+})
+
+
 def remove_dead_code(graph: fx.Graph) -> None:
     """Erase unused nodes whose operation we know to be pure. FX's own DCE would also drop an
     unused in-place call such as `x.masked_fill_(...)`, which is not ours to remove."""
     for node in reversed(list(graph.nodes)):
         if not node.users and node.op in ("call_function", "call_method"):
-            if kind(node) is not None or node.target is operator.getitem or _is_transfuse_op(node):
+            pure = (node.target in _PURE_METHODS if node.op == "call_method"
+                    else node.target in _PURE_FUNCTIONS if _hashable(node.target) else False)
+            if pure or kind(node) is not None or _is_transfuse_op(node):
                 graph.erase_node(node)
+
+
+def _hashable(target) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_transfuse_op(node: fx.Node) -> bool:

@@ -173,7 +173,7 @@ class PaddedRunner(GraphCache):
         if captured is None:
             # Sizes that cannot be padded (a KV cache that grows every step) make one-off keys:
             # those are captured the second time they come. Pure bucket keys are captured at once.
-            if self._has_exact_sizes and key not in self.graphs and self.first_sighting(key):
+            if self._has_exact_sizes and key not in self.graphs and self.run_without_graph(key):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
             padded = self._padded_args(args, real, target)

@@ -112,6 +112,9 @@ class GraphCache:
         self.seen: collections.Counter = collections.Counter()
         self.uncaptured_calls = 0
         self.evicted = 0
+        self.hits: dict = {}  # replays per kept graph
+        self.wasted = 0  # graphs evicted without a replay
+        self.too_many = False  # the cache thrashed (see store): no more captures
 
     def lookup(self, key, args):
         """The graph for key, still valid for args (parameters not moved), or None."""
@@ -119,15 +122,17 @@ class GraphCache:
         if captured is None or not captured.still_valid(args):
             return None
         self.graphs.move_to_end(key)
+        self.hits[key] = self.hits.get(key, 0) + 1
         return captured
 
-    def first_sighting(self, key) -> bool:
-        """Counts a key that has no graph; True the first time: the caller runs it without one, so
-        a stream of one-off shapes (a KV cache that grows every step) pays no capture per call."""
+    def run_without_graph(self, key) -> bool:
+        """Counts a key that has no graph; True when the caller should run it without one: the first
+        time a key comes (exact shapes that never repeat, a dynamic KV cache growing every token,
+        pay no capture), and always once the cache thrashes (see store)."""
         self.seen[key] += 1
         if len(self.seen) > 4096:  # one-off keys must not grow this forever
             self.seen = collections.Counter({key: self.seen[key]})
-        if self.seen[key] < 2:
+        if self.seen[key] < 2 or self.too_many:
             self.uncaptured_calls += 1
             return True
         return False
@@ -135,16 +140,23 @@ class GraphCache:
     def store(self, key, captured: _Captured) -> _Captured:
         self.graphs[key] = captured
         self.graphs.move_to_end(key)
+        self.hits[key] = 0
         while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            old, _ = self.graphs.popitem(last=False)
             self.evicted += 1
+            # Evicted before its first replay: more distinct shapes come round than the cap holds
+            # (generate() called again over a dynamic cache: 128 token lengths, each once per call).
+            # Past half a cache's worth of those, capturing costs more than it saves: stop.
+            if self.hits.pop(old, 0) == 0:
+                self.wasted += 1
+                self.too_many = self.too_many or self.wasted > max(2, self.max_graphs // 2)
         return captured
 
 
 class CudaGraphRunner(GraphCache):
     """Callable for Dynamo: routes each exact input signature to its captured graph (the runner of
     graphs whose dimensions cannot be padded to buckets, see runtime/buckets.py). A signature is
-    captured the second time it is seen (GraphCache.first_sighting)."""
+    captured the second time it is seen (GraphCache.run_without_graph)."""
 
     def __init__(self, fn: Callable, static_indices: list[int], pool: GraphPool, max_graphs: int = 32,
                  written: list[int] = ()):
@@ -172,7 +184,7 @@ class CudaGraphRunner(GraphCache):
         key = self.signature(args)
         captured = self.lookup(key, args)
         if captured is None:
-            if key not in self.graphs and self.first_sighting(key):
+            if key not in self.graphs and self.run_without_graph(key):
                 return self.fn(*args)  # fresh outputs: nothing static to protect
             captured = self.store(key, _Captured(self.fn, args, self.in_place, self.pool, self.written))
         return captured.replay(args)

@@ -1,0 +1,101 @@
+"""Rotary position embedding, rotate-half form, in one pass over x:
+
+    out = x * cos + rotate_half(x) * sin,    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+x: (B, H, S, D) with any strides (the Q or K slice of a merged QKV output, transposed); cos, sin
+broadcastable to x (Hugging Face's (B, 1, S, D)), same dtype as x. Arithmetic in fp32, one rounding
+at the end (eager rounds after each of its three ops: the difference is at most an ulp or two, and
+the fused result is the closer one to fp32). Output: a new contiguous tensor of x's shape and dtype.
+Reference: transfuse.reference.rotary.rotary_ref.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from transfuse.kernels._config import next_power_of_2
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit(do_not_specialize=["n_rows", "H", "S"])
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    n_rows, H, S,
+    stride_xb, stride_xh, stride_xs,
+    stride_cb, stride_ch, stride_cs,
+    stride_sb, stride_sh, stride_ss,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    s = rows64 % S
+    bh = rows64 // S
+    h = bh % H
+    b = bh // H
+    cols = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (cols < D)[None, :]
+    first_half = cols < HALF
+    partner = tl.where(first_half, cols + HALF, cols - HALF)
+    sign = tl.where(first_half, -1.0, 1.0)
+
+    x_row = (b * stride_xb + h * stride_xh + s * stride_xs)[:, None]
+    x = tl.load(x_ptr + x_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + (b * stride_cb + h * stride_ch + s * stride_cs)[:, None] + cols[None, :],
+                  mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + (b * stride_sb + h * stride_sh + s * stride_ss)[:, None] + cols[None, :],
+                  mask=ok, other=0.0).to(tl.float32)
+    out = x * cos + sign[None, :] * x_partner * sin
+    tl.store(out_ptr + rows64[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"rotary expects x of shape (batch, heads, seq, head_dim), got {tuple(x.shape)}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"rotary needs an even head dim, got {x.shape[-1]}")
+    if x.dtype not in _DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise TypeError(f"rotary supports {_DTYPES} with one dtype for x, cos, sin; got {x.dtype}, {cos.dtype}, {sin.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        try:
+            fits = t.dim() <= 4 and torch.broadcast_shapes(t.shape, x.shape) == x.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"rotary: {name} of shape {tuple(t.shape)} does not broadcast to x's {tuple(x.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"rotary: {name} is on {t.device}, x on {x.device}")
+
+
+def _broadcast_strides(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    t = t.expand(shape)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, (t.stride(0), t.stride(1), t.stride(2))
+
+
+def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    check_rotary_args(x, cos, sin)
+    B, H, S, D = x.shape
+    out = torch.empty((B, H, S, D), dtype=x.dtype, device=x.device)
+    n_rows = B * H * S
+    if n_rows == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, cos_strides = _broadcast_strides(cos, x.shape)
+    sin, sin_strides = _broadcast_strides(sin, x.shape)
+    block_d = max(16, next_power_of_2(D))
+    block_r = max(1, min(64, _ELEMENTS_PER_PROGRAM // block_d))
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rotary_kernel[grid](
+        x, cos, sin, out, n_rows, H, S,
+        x.stride(0), x.stride(1), x.stride(2), *cos_strides, *sin_strides,
+        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+    )
+    return out

@@ -1,0 +1,128 @@
+"""generate() with a static KV cache by default, reused across calls.
+
+A decode step over a dynamic cache has a new key length every token: no CUDA graph can be replayed
+for it. A static cache has one shape for every step, and the steps write it in place, so the whole
+step replays as one CUDA graph. When the user names no cache (`generation_config.cache_implementation`
+is None), optimize() makes generate() use Hugging Face's StaticCache; a cache the user passes, or a
+`cache_implementation` they set, is left alone.
+
+Hugging Face builds a new StaticCache in every generate() call; new tensors would mean a new capture
+of the decode graph per call (its addresses are baked in). `StaticCacheReuse` keeps one cache per
+(batch, dtype, device), sized up to a bucket, and hands it back reset (zeroed in place) to the next
+call that fits, so the decode graph captured by the first call is replayed by every later one.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger("transfuse")
+
+STATIC = "static"
+# Cache lengths are rounded up to a multiple of this, so that calls asking for a few more tokens
+# than the last one reuse its cache (and its graphs). Blocks past the current position are fully
+# masked, which attention skips from the mask summary: the extra length costs almost nothing.
+LENGTH_BUCKET = 256
+_PREPARE = "_prepare_static_cache"
+_EXPECTED = ["cache_implementation", "batch_size", "max_cache_len", "prefill_chunk_size", "model_kwargs"]
+
+
+def supports_default_static_cache(model: torch.nn.Module) -> str | None:
+    """None when optimize() may give this model a static cache by default, else why not."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None or not hasattr(model, "generate"):
+        return "not a generation model"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "encoder-decoder models keep Hugging Face's default cache"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return "the model does not declare static-cache support (_can_compile_fullgraph)"
+    prepare = getattr(model, _PREPARE, None)
+    if prepare is None or list(inspect.signature(prepare).parameters) != _EXPECTED:
+        return f"this transformers version has no {_PREPARE}({', '.join(_EXPECTED)})"
+    return None
+
+
+class StaticCacheReuse:
+    """Replaces the model's `_prepare_static_cache`: a fitting cache from an earlier call, reset."""
+
+    def __init__(self, model: torch.nn.Module, max_kept: int = 4):
+        self.model = model
+        self.prepare = getattr(model, _PREPARE)  # Hugging Face's bound method
+        self.max_kept = max_kept
+        self.caches: collections.OrderedDict = collections.OrderedDict()
+        self.reused = 0
+        self.created = 0
+
+    def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
+        if cache_implementation != STATIC or prefill_chunk_size is not None:
+            return self.prepare(cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs)
+        key = (batch_size, self.model.dtype, self.model.device)
+        cache, length = self.caches.get(key, (None, 0))
+        if cache is not None and length >= max_cache_len:
+            cache.reset()  # zeroes the tensors in place: same addresses, same graphs
+            self.caches.move_to_end(key)
+            self.reused += 1
+            return cache
+        length = -(-max_cache_len // LENGTH_BUCKET) * LENGTH_BUCKET
+        cache = self.prepare(cache_implementation, batch_size, length, prefill_chunk_size, model_kwargs)
+        # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
+        # a trace of its own (Dynamo guards on the layers' is_initialized).
+        shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
+        if shape is not None and hasattr(cache, "early_initialization"):
+            cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
+                                       dtype=self.model.dtype, device=self.model.device)
+        self.caches[key] = (cache, length)
+        self.caches.move_to_end(key)
+        while len(self.caches) > self.max_kept:
+            self.caches.popitem(last=False)
+        self.created += 1
+        return cache
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"batch {b} x {n} positions" for (b, _, _), (_, n) in self.caches.items())
+        return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
+
+
+def install(model: torch.nn.Module, state) -> None:
+    """Makes generate() use a reused static cache unless the user chose a cache (see module doc)."""
+    reason = supports_default_static_cache(model)
+    if reason is not None:
+        state.static_cache_reason = reason
+        return
+    reuse = StaticCacheReuse(model)
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if _user_named_no_cache(model, args, kwargs):
+            kwargs["cache_implementation"] = STATIC
+        return original(*args, **kwargs)
+
+    state.static_cache = reuse
+    state.generate = generate
+    setattr(model, _PREPARE, reuse)
+    model.generate = generate
+
+
+def _user_named_no_cache(model, args, kwargs) -> bool:
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+    return (kwargs.get("past_key_values") is None and kwargs.get("cache_implementation") is None
+            and getattr(config, "cache_implementation", None) is None
+            and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False)
+
+
+def uninstall(model: torch.nn.Module, state) -> None:
+    reuse = getattr(state, "static_cache", None)
+    if reuse is None:
+        return
+    if model.__dict__.get(_PREPARE) is reuse:
+        del model.__dict__[_PREPARE]
+    if model.__dict__.get("generate") is state.generate:
+        del model.__dict__["generate"]
+    reuse.caches.clear()
+    state.static_cache = None
