@@ -283,6 +283,8 @@ class _Analysis:
             self._attention(node)
         elif name == "transfuse.attention_mask_summary":
             pass
+        elif name == "transfuse.rotary":  # element-wise but for the head dim, which it rotates
+            self.refuse(self.dim_syms(node.args[0], -1), node, "rotates across a padded dimension")
         else:
             self.refuse(involved, node, "is not known to keep padded positions apart")
 
