@@ -124,8 +124,9 @@ def write_text_results(results: dict[str, Any], text: str, out_dir: str | os.Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{results['date']}-{slugify(results['gpu'])}-{name}"
-    write_json(results, stem.with_suffix(".json"))
-    stem.with_suffix(".md").write_text(text + "\n")
+    # with_suffix would cut a name such as "llama-1.1b" at its dot: append instead.
+    write_json(results, Path(f"{stem}.json"))
+    Path(f"{stem}.md").write_text(text + "\n")
     print(f"wrote {stem}.json and .md")
 
 
