@@ -38,6 +38,9 @@ class _State:
         self.forward = None
         self.graph_breaks_at_start = _graph_breaks()
         self.eager_reason: str | None = None  # set when the model was handed back to eager (check_traces)
+        # generate()'s default static cache (runtime/generation.py), or why the model keeps HF's cache.
+        self.static_cache = None
+        self.static_cache_reason: str | None = None
 
     def check_traces(self, original, max_traces: int) -> None:
         """Past max_traces, the model runs as it was (see optimize()), with the reason on record."""
@@ -269,9 +272,9 @@ def report(model: torch.nn.Module) -> str:
     text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
-    if getattr(state, "static_cache", None) is not None:
+    if state.static_cache is not None:
         text += f"\n  generate(): {state.static_cache.describe()}"
-    elif getattr(state, "static_cache_reason", None) and hasattr(model, "generate"):
+    elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
     log.info(text)
     return text

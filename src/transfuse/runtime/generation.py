@@ -3,8 +3,9 @@
 A decode step over a dynamic cache has a new key length every token: no CUDA graph can be replayed
 for it. A static cache has one shape for every step, and the steps write it in place, so the whole
 step replays as one CUDA graph. When the user names no cache (`generation_config.cache_implementation`
-is None), optimize() makes generate() use Hugging Face's StaticCache; a cache the user passes, or a
-`cache_implementation` they set, is left alone.
+is None and no cache is passed), optimize() makes generate() use Hugging Face's StaticCache; a
+cache the user passes, a `cache_implementation` they set, use_cache=False or
+`optimize(model, static_cache=False)` leaves Hugging Face's behaviour alone.
 
 Hugging Face builds a new StaticCache in every generate() call; new tensors would mean a new capture
 of the decode graph per call (its addresses are baked in). `StaticCacheReuse` keeps one cache per
@@ -17,11 +18,8 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import logging
 
 import torch
-
-log = logging.getLogger("transfuse")
 
 STATIC = "static"
 # Cache lengths are rounded up to a multiple of this, so that calls asking for a few more tokens
@@ -117,7 +115,7 @@ def _user_named_no_cache(model, args, kwargs) -> bool:
 
 
 def uninstall(model: torch.nn.Module, state) -> None:
-    reuse = getattr(state, "static_cache", None)
+    reuse = state.static_cache
     if reuse is None:
         return
     if model.__dict__.get(_PREPARE) is reuse:
