@@ -41,6 +41,7 @@ class _State:
         # generate()'s default static cache (runtime/generation.py), or why the model keeps HF's cache.
         self.static_cache = None
         self.static_cache_reason: str | None = None
+        self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
 
     def check_traces(self, original, max_traces: int) -> None:
         """Past max_traces, the model runs as it was (see optimize()), with the reason on record."""
@@ -274,6 +275,8 @@ def report(model: torch.nn.Module) -> str:
         text += f"\n  left to eager: {state.eager_reason}"
     if state.static_cache is not None:
         text += f"\n  generate(): {state.static_cache.describe()}"
+        if state.decode_loop is not None and state.decode_loop.describe():
+            text += f"\n  generate(): {state.decode_loop.describe()}"
     elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
     log.info(text)

@@ -52,3 +52,36 @@ def test_generate_equals_eager(cache):
         for _ in range(2):
             out = opt.generate(ids, **kwargs)
             assert torch.equal(out, ref)
+
+
+def test_decode_loop_graphs_match_hf_loop():
+    """transfuse's decode loop with each step replayed as a CUDA graph: Hugging Face's tokens for
+    greedy (left padding, EOS ending rows at different steps) across calls that change batch size
+    and length (new buffers, a longer cache), and sampling reproducible under one seed."""
+    model = _llama().float()
+    for p in model.parameters():  # a less flat model: rows hit EOS at different steps
+        p.data.mul_(3.0)
+    opt = transfuse.optimize(copy.deepcopy(model))
+    torch.manual_seed(0)
+    calls = [(2, 9, 16), (3, 5, 40), (2, 9, 16), (2, 7, 300)]
+    with torch.no_grad():
+        for batch, seq, new in calls:
+            ids = torch.randint(0, 1000, (batch, seq), device="cuda")
+            mask = torch.ones_like(ids)
+            mask[0, :2] = 0
+            free = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
+            eos = sorted({int(free[0, seq + new // 2]), int(free[-1, seq + new // 3])})
+            kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            ref = model.generate(ids, **kwargs)
+            out = opt.generate(ids, **kwargs)
+            assert torch.equal(out, ref), (batch, seq, new)
+        ids = torch.randint(0, 1000, (2, 9), device="cuda")
+        sample = dict(max_new_tokens=24, do_sample=True, top_k=50, top_p=0.95, temperature=0.8, pad_token_id=0)
+        runs = []
+        for _ in range(3):
+            torch.manual_seed(5)
+            runs.append(opt.generate(ids, **sample))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+    loop = opt._transfuse_state.decode_loop
+    assert loop.steps_replayed > 100 and loop.captures >= 3 and not loop.left_to_hf, transfuse.report(opt)
+    assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)

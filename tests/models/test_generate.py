@@ -9,8 +9,8 @@ import transformers
 import transfuse
 
 
-def _lm(family):
-    common = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+def _lm(family, **config):
+    common = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
     if family == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -86,3 +86,86 @@ def test_static_cache_can_be_turned_off():
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False)
     assert "Hugging Face's default cache (optimize(static_cache=False))" in transfuse.report(model)
+
+
+# -------------------------------------------------------------------------------------------------
+# The decode loop (runtime/decode_loop.py): Hugging Face's greedy/sampling algorithm on fixed buffers.
+
+
+def _eos_mid_generation(model, ids, mask) -> list[int]:
+    """EOS ids that greedy decoding emits in every row, first at different steps: the rows finish at
+    different steps (finished rows are padded; the loop stops when all are)."""
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, eos_token_id=None)
+    rows = [row.tolist() for row in free[:, ids.shape[1]:]]
+    eos = sorted({rows[0][3], rows[1][1], rows[2][5]})
+    stops = [min(row.index(t) for t in eos if t in row) for row in rows]
+    assert len(set(stops)) > 1 and max(stops) < 8, f"{rows}: choose other EOS ids for this seed"
+    return eos
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_decode_loop_matches_hf_loop(family):
+    """Greedy (with left padding, min_new_tokens, an EOS that stops rows at different steps) and
+    sampling (temperature, top-k, top-p, one seed): the tokens of Hugging Face's own loop."""
+    torch.manual_seed(0)
+    model = _lm(family, initializer_range=0.5).eval()  # not one token repeated: rows finish apart
+    ids = torch.randint(3, 97, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    eos = _eos_mid_generation(model, ids, mask)
+    cases = [
+        dict(max_new_tokens=10, do_sample=False, eos_token_id=eos),
+        dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, eos_token_id=eos),
+        dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+    ]
+    refs = []
+    with torch.no_grad():
+        for case in cases:
+            torch.manual_seed(1)
+            refs.append(model.generate(ids, attention_mask=mask, **case))
+        transfuse.optimize(model)
+        for case, ref in zip(cases, refs):
+            torch.manual_seed(1)
+            out = model.generate(ids, attention_mask=mask, **case)
+            assert torch.equal(out, ref), case
+    assert refs[0].shape[1] < ids.shape[1] + 10, "EOS should have stopped every row early"
+    loop = model._transfuse_state.decode_loop
+    assert loop.calls == len(cases) and not loop.left_to_hf
+    assert "decode loop: 3 call(s)" in transfuse.report(model)
+
+
+def test_decode_loop_leaves_what_it_does_not_implement_to_hf():
+    """A processor that reads the generated ids (repetition penalty) runs Hugging Face's loop, named
+    in the report; return_dict_in_generate runs the loop and returns the cache."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    ids = torch.randint(3, 97, (2, 5))
+    kwargs = dict(max_new_tokens=5, do_sample=False, repetition_penalty=1.3)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        ref_dict = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+        transfuse.optimize(model)
+        assert torch.equal(model.generate(ids, **kwargs), ref)
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref_dict.sequences)
+    assert out.past_key_values.get_seq_length() == ref_dict.past_key_values.get_seq_length()
+    text = transfuse.report(model)
+    assert "left to Hugging Face's loop x1: logits processor RepetitionPenaltyLogitsProcessor" in text
+    cls = type(model)
+    transfuse.restore(model)
+    assert type(model) is cls.__mro__[1] and type(model).__name__ == cls.__name__
+
+
+def test_static_cache_decode_shares_one_mask_summary():
+    """The static cache's length is a symbolic expression: the mask's block summary must still be
+    computed once per forward, not once per layer."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    transfuse.optimize(model)
+    with torch.no_grad():
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False)
+    graphs = [gm for b in model._transfuse_state.backends for gm in b.graphs]
+    counts = [sum(n.target is torch.ops.transfuse.attention_mask_summary.default for n in gm.graph.nodes)
+              for gm in graphs]
+    assert len(graphs) == 2 and counts == [1, 1], counts

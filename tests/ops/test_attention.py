@@ -72,3 +72,13 @@ def test_output_reshapes_as_a_view(device):
     out = torch.ops.transfuse.attention(q, k, v, None, None, 0.25, False, True)
     flat = out.transpose(1, 2).reshape(2, 11, 4 * 16)
     assert flat.data_ptr() == out.data_ptr() and flat.is_contiguous()
+
+
+def test_mask_summary_for_reuses_only_at_equal_key_length():
+    from transfuse.ops.attention import mask_summary_for
+
+    mask = torch.randn(2, 1, 3, 70) > 0
+    first = torch.ops.transfuse.attention_mask_summary(mask, 3, 70)
+    assert mask_summary_for(first, 70, mask, 3, 70) is first
+    shorter = mask_summary_for(first, 70, mask[..., :40], 3, 40)
+    assert torch.equal(shorter, torch.ops.transfuse.attention_mask_summary(mask[..., :40], 3, 40))

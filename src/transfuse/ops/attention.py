@@ -50,3 +50,16 @@ def attention_mask_summary(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> 
 @attention_mask_summary.register_fake
 def _attention_mask_summary_fake(mask, seqlen_q, seqlen_k):
     return mask.new_empty(attention_summary_shape(mask.shape, seqlen_q, seqlen_k), dtype=torch.int8)
+
+
+def mask_summary_for(summary: torch.Tensor, summary_seqlen_k: int, mask: torch.Tensor, seqlen_q: int,
+                     seqlen_k: int) -> torch.Tensor:
+    """Another layer's summary of the same mask when its key length is this layer's, else a new one.
+
+    Dynamo gives each layer's KV cache a size symbol of its own, equal at run time for a static
+    cache (one summary per forward, not one per layer) but not always (a sliding-window layer's
+    cache is shorter): a plain comparison of host ints in the rewritten graph, never a guess.
+    A plain function, not an op: it only picks a tensor."""
+    if summary_seqlen_k == seqlen_k:
+        return summary
+    return torch.ops.transfuse.attention_mask_summary(mask, seqlen_q, seqlen_k)

@@ -23,6 +23,8 @@ import math
 import torch
 import torch.fx as fx
 
+from transfuse.ops.attention import mask_summary_for
+
 from transfuse.passes.graph import (
     arg,
     is_last_two_transpose,
@@ -265,6 +267,42 @@ def _runtime_checked_equal(a, b) -> bool:
 # Rewriting.
 
 
+def _mask_summary(graph: fx.Graph, spec: dict, q: fx.Node, mask: fx.Node, seq_q, seq_k, summaries: dict) -> fx.Node:
+    """The block summary of `mask` for this attention: one per mask and query length per forward.
+
+    Nodes are visited in graph order, so the first layer's summary precedes every later use. Each
+    layer's KV cache gets a length symbol of its own from Dynamo: a later layer whose key length is
+    another symbol reuses the first summary when the lengths are equal at run time
+    (ops.attention.mask_summary_for), else computes its own."""
+    out = spec["out"]
+    sizes = (size_arg(graph, seq_q), size_arg(graph, seq_k))
+    if None in sizes:
+        # A length that is an expression of Dynamo's symbols: measured from this layer's q and v.
+        with graph.inserting_before(out):
+            sizes = (graph.call_method("size", (q, -2)), graph.call_method("size", (spec["v"], -2)))
+        for node, size in zip(sizes, (seq_q, seq_k)):
+            node.meta["example_value"] = size
+        anchor = None
+    else:
+        # After the mask and the size placeholders (a mask that is an input is a placeholder
+        # itself, possibly before the symbols Dynamo lifted for its sizes).
+        defined = [mask, *(s for s in sizes if isinstance(s, fx.Node))]
+        if any(d.op == "placeholder" for d in defined):
+            defined.append(list(graph.find_nodes(op="placeholder"))[-1])
+        order = node_order(graph)
+        anchor = max(defined, key=order.__getitem__)
+    first = summaries.get((mask, str(seq_q)))
+    if first is not None and first[1] == str(seq_k):
+        return first[0]
+    if first is None:
+        with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(out):
+            summary = graph.call_function(torch.ops.transfuse.attention_mask_summary.default, (mask, *sizes))
+        summaries[(mask, str(seq_q))] = (summary, str(seq_k), sizes[1])
+        return summary
+    with graph.inserting_before(out):
+        return graph.call_function(mask_summary_for, (first[0], first[2], mask, *sizes))
+
+
 def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
     graph = ctx.gm.graph
     out: fx.Node = spec["out"]
@@ -282,29 +320,7 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
             mask = _view(graph, mask, "unsqueeze", 1)
     summary = None
     if mask is not None:
-        seq_q, seq_k = q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2]
-        sizes = (size_arg(graph, seq_q), size_arg(graph, seq_k))
-        if None in sizes:
-            # A sequence length that is an expression of Dynamo's symbols: measure it here, per layer.
-            with graph.inserting_before(out):
-                sizes = (graph.call_method("size", (q, -2)), graph.call_method("size", (v, -2)))
-            for node, size in zip(sizes, (seq_q, seq_k)):
-                node.meta["example_value"] = size
-            anchor, key = sizes[1], None
-        else:
-            # After the mask and the size placeholders (a mask that is an input is a placeholder
-            # itself, possibly before the symbols Dynamo lifted for its sizes).
-            defined = [mask, *(s for s in sizes if isinstance(s, fx.Node))]
-            if any(d.op == "placeholder" for d in defined):
-                defined.append(list(graph.find_nodes(op="placeholder"))[-1])
-            order = node_order(graph)
-            anchor, key = max(defined, key=order.__getitem__), (mask, str(seq_q), str(seq_k))
-        summary = summaries.get(key)
-        if summary is None:
-            with graph.inserting_after(anchor):
-                summary = graph.call_function(torch.ops.transfuse.attention_mask_summary.default, (mask, *sizes))
-            if key is not None:
-                summaries[key] = summary
+        summary = _mask_summary(graph, spec, q, mask, q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2], summaries)
     with graph.inserting_before(out):
         new = graph.call_function(
             torch.ops.transfuse.attention.default,

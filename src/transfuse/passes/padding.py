@@ -281,7 +281,7 @@ class _Analysis:
             self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2 if len(_dims(value(b))) > 1 else 0), node, "contracts over a padded dimension")
         elif name == "transfuse.attention":
             self._attention(node)
-        elif name == "transfuse.attention_mask_summary":
+        elif name in ("transfuse.attention_mask_summary", "mask_summary_for"):
             pass
         elif name == "transfuse.rotary":  # element-wise but for the head dim, which it rotates
             self.refuse(self.dim_syms(node.args[0], -1), node, "rotates across a padded dimension")

@@ -35,6 +35,11 @@ class GraphPool:
         return self.handle
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured (False on a build without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # One C call compares every address (torch's CUDA-graph trees use it); not in every build.
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
@@ -181,6 +186,8 @@ class CudaGraphRunner(GraphCache):
         return tuple(out)
 
     def __call__(self, *args):
+        if capturing():
+            return self.fn(*args)  # inside the caller's own capture (the decode loop's): be part of it
         key = self.signature(args)
         captured = self.lookup(key, args)
         if captured is None:

@@ -21,6 +21,8 @@ import inspect
 
 import torch
 
+from transfuse.runtime.decode_loop import DecodeLoop
+
 STATIC = "static"
 # Cache lengths are rounded up to a multiple of this, so that calls asking for a few more tokens
 # than the last one reuse its cache (and its graphs). Blocks past the current position are fully
@@ -105,6 +107,31 @@ def install(model: torch.nn.Module, state) -> None:
     state.generate = generate
     setattr(model, _PREPARE, reuse)
     model.generate = generate
+    _install_decode_loop(model, state, reuse)
+
+
+def _install_decode_loop(model: torch.nn.Module, state, reuse: StaticCacheReuse) -> None:
+    """generate() looks `_sample` up on the model's class, not the instance: the model gets a
+    subclass of its own class (same name and module) whose `_sample` is transfuse's decode loop;
+    restore() puts the original class back."""
+    cls = type(model)
+    hf_sample = getattr(cls, "_sample", None)
+    if hf_sample is None:
+        return
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    loop = DecodeLoop(model, hf_sample, lambda: [c for c, _ in reuse.caches.values()], state,
+                      use_graphs=on_cuda and state.backend.options.get("cuda_graphs", True))
+
+    def _sample(self, *args, **kwargs):
+        own = getattr(getattr(self, "_transfuse_state", None), "decode_loop", None)
+        if own is None:
+            return hf_sample(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    subclass = type(cls.__name__, (cls,), {"_sample": _sample, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__, "_transfuse_class_of": cls})
+    model.__class__ = subclass
+    state.decode_loop = loop
 
 
 def _user_named_no_cache(model, args, kwargs) -> bool:
@@ -118,6 +145,9 @@ def uninstall(model: torch.nn.Module, state) -> None:
     reuse = state.static_cache
     if reuse is None:
         return
+    if state.decode_loop is not None:
+        model.__class__ = type(model).__dict__.get("_transfuse_class_of", type(model))
+        state.decode_loop = None
     if model.__dict__.get(_PREPARE) is reuse:
         del model.__dict__[_PREPARE]
     if model.__dict__.get("generate") is state.generate:

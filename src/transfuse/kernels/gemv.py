@@ -1,0 +1,330 @@
+"""Weight-streaming GEMV for decode: the linear with epilogue of transfuse.kernels.gemm for 1..16 rows.
+
+    out = act(x @ weight.T + bias) + residual
+
+    x:        (M, K)  rows of the flattened (..., K) input, M <= 16; unit stride along K
+    weight:   (N, K)  nn.Linear layout (K contiguous), or a transposed view (stride 1 along N)
+    bias:     (N,)
+    residual: (M, N)  any strides
+    out:      (M, N)  contiguous, dtype of x
+
+Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up], out = silu(gate) * up) and
+numerics are those of `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding
+at the store. The epilogue and the split-K reduce kernel are gemm.py's own.
+
+Why a second kernel: with M <= 16 rows a linear moves N*K weight elements and does 2*M*N*K flops, so
+at 16-bit weights it is bound by HBM bandwidth (M flops per weight byte; H100: 3.35 TB/s against
+67 TFLOP/s of fp32 FMA, the balance point is M ~ 20). The floor is the time to read the weight once:
+Llama-7B's (N, K) = (4096, 11008) down projection is 90 MB, 27 us at 3.35 TB/s. A tensor-core tile
+of 16 rows and a tl.dot wastes rows at M = 1..8 and needs deep shared-memory pipelines to keep
+enough bytes in flight; here each program streams its weight rows straight into registers.
+
+Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all M rows and the
+pid_k-th of SPLIT_K slices of K. It walks its slice in BLOCK_K steps: a (BLOCK_N, BLOCK_K) weight
+tile (each row segment BLOCK_K * 2 >= 256 contiguous bytes, 16-byte loads), times the (M, BLOCK_K)
+x chunk broadcast over the weight rows, summed over K in fp32 with tl.sum. x is tiny and read
+from L2 by every program; the weight is read from HBM exactly once.
+
+Split-K: shapes like (2048, 2048) give N / BLOCK_N = 64..128 column blocks, too few programs to
+keep 132 SMs' worth of loads in flight. SPLIT_K programs then share a column block's K range;
+each writes an fp32 partial (SPLIT_K, M, N) to a workspace and gemm.py's reduce kernel sums them in
+split order (deterministic, no atomics) and applies the epilogue (which cannot run on partial sums:
+the activation is not linear).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
+from transfuse.kernels.gemm import _linear_epilogue, _linear_splitk_reduce_kernel, check_linear_args
+
+GEMV_M_MAX = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class GemvConfig(NamedTuple):
+    """One launch configuration: output columns per program, K step, programs per column block
+    along K, warps per program."""
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+
+# -------------------------------------------------------------------------------------------------
+# Configs
+# -------------------------------------------------------------------------------------------------
+
+# GemvConfig(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per M bucket, the heuristic's default first; the
+# rest are what bench/kernels/bench_gemv.py sweeps. Measured on an H100 (fp16, Llama shapes): narrow
+# column blocks win everywhere (N / 4 programs is >= 512 for N >= 2048, enough loads in flight
+# without split-K); BLOCK_K = 32 lanes * num_warps * 8 elements (16-byte loads) * 1..2 steps.
+# Per-thread registers grow as BLOCK_M * BLOCK_N (accumulators) + (BLOCK_M + BLOCK_N) * 8 (the
+# x and weight vectors), so the column block narrows as M grows.
+_CONFIGS = {
+    1: [GemvConfig(4, 2048, 1, 4), GemvConfig(2, 2048, 1, 4), GemvConfig(8, 2048, 1, 4),
+        GemvConfig(4, 4096, 1, 8), GemvConfig(4, 1024, 1, 4), GemvConfig(4, 1024, 2, 4)],
+    2: [GemvConfig(4, 1024, 1, 4), GemvConfig(4, 1024, 1, 2), GemvConfig(4, 2048, 1, 4)],
+    4: [GemvConfig(4, 512, 1, 2), GemvConfig(4, 1024, 1, 4)],
+    8: [GemvConfig(8, 512, 1, 2), GemvConfig(8, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
+    16: [GemvConfig(4, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
+}
+
+# Under the interpreter: small blocks so that tiny test shapes cross block edges in N and K.
+_INTERPRET_CONFIG = GemvConfig(16, 32, 1, 4)
+
+
+def gemv_bucket(m: int) -> int:
+    """Rows rounded up to a power of two: the row count the kernel is compiled for (BLOCK_M)."""
+    return next_power_of_2(max(m, 1))
+
+
+def gemv_configs(m: int) -> list[GemvConfig]:
+    """The configs for m rows, default first (the interpreter's one under TRITON_INTERPRET)."""
+    return tune_configs(_CONFIGS[gemv_bucket(m)], _INTERPRET_CONFIG)
+
+
+def keep(conf: GemvConfig, element_size: int = 2) -> bool:
+    """Whether a config keeps the kernel's layout free of shared-memory conversions on a GPU: its
+    K step must give every lane of every warp a 16-byte vector (see the kernel)."""
+    vec = 16 // element_size
+    return conf.block_k % (32 * conf.num_warps * vec) == 0
+
+
+def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The heuristic's config for an (m, n, k) linear on a GPU of num_sms SMs (the interpreter's
+    config under TRITON_INTERPRET)."""
+    conf = gemv_configs(m)[0]
+    return conf if INTERPRET else _fit(conf, n, k, num_sms)
+
+
+def _fit(conf: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The M bucket's default fitted to the shape: a shorter K step where K is short (with fewer
+    warps, so every lane still loads 16 bytes), and split-K where the column blocks alone give
+    fewer than two programs per SM. The split rule is a starting point, not a measurement: every
+    Llama shape has N >= 2048, hence >= 256 column blocks, and runs unsplit."""
+    block_k, num_warps = conf.block_k, conf.num_warps
+    while num_warps > 1 and block_k >= 2 * next_power_of_2(k):
+        block_k, num_warps = block_k // 2, num_warps // 2
+    programs = triton.cdiv(n, conf.block_n)
+    split_k = conf.split_k
+    if programs < 2 * num_sms:
+        split_k = max(split_k, min(4, triton.cdiv(2 * num_sms, programs), triton.cdiv(k, block_k)))
+    return GemvConfig(conf.block_n, block_k, split_k, num_warps)
+
+
+# -------------------------------------------------------------------------------------------------
+# Kernel
+# -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_K step: acc[m, n, l] += sum_p x[m, l, p] * w[n, l, p] over this thread's VEC
+    contiguous K elements p (in registers); the sum over lanes l waits for the end of the loop."""
+    if MASKED:
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_last")
+        w = tl.load(w_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptrs, eviction_policy="evict_last")
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    x = x.to(tl.float32)
+    acc += tl.sum(x * w.to(tl.float32), axis=3)
+    if GATED:
+        if MASKED:
+            w_up = tl.load(w_up_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
+        else:
+            w_up = tl.load(w_up_ptrs, eviction_policy="evict_first")
+        acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
+    return acc, acc_up
+
+
+# M and the workspace strides unspecialised: a new row count within a bucket, or a split launch
+# beside an unsplit one, must not compile another kernel.
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
+def _gemv_fwd_kernel(
+    x_ptr, stride_x_m,
+    w_ptr, stride_w_n, stride_w_k,
+    bias_ptr, stride_bias,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
+    M, N, K,
+    SPLIT_K,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # M's power-of-two bucket; rows past M re-read row M - 1, never stored
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,  # contiguous K elements a thread loads at once: 16 bytes
+):
+    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    LANES: tl.constexpr = BLOCK_K // VEC
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows and columns wrap back into range instead of being masked, so that the main
+    # loop's loads need no masks at all (the wrapped ones are never stored). A modulo, not a
+    # minimum: it keeps Triton's contiguity analysis, which vectorises a transposed weight along N.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+
+    # This program's K range: whole BLOCK_K steps per split (the last split with work takes the
+    # remainder; splits past K have none and write zero partials).
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = min(K, k_start + k_per_split)
+    k_full = max(k_end - k_start, 0) // BLOCK_K * BLOCK_K
+
+    # The K step as (LANES, VEC): 4-d tiles (M, N, LANES, VEC) whose layout Triton derives from the
+    # loads: VEC in one thread (16-byte loads), lanes and then warps along LANES. x (M, 1, LANES, VEC)
+    # and w (1, N, LANES, VEC) then share that layout, so the product needs no shared-memory layout
+    # conversion as long as LANES >= 32 * num_warps (otherwise warps spill onto N for w and onto M
+    # for x); each thread reads its x elements once and uses them for all BLOCK_N rows.
+    offs_k = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    offs_k = offs_k[None, None, :, :]
+    x_ptrs = x_ptr + rows[:, None, None, None] * stride_x_m + (k_start + offs_k)
+    w_ptrs = w_ptr + cols[None, :, None, None] * stride_w_n + (k_start + offs_k) * stride_w_k
+    # the up rows start N rows below the gate rows (int64: N * stride can pass 2**31)
+    w_up_ptrs = w_ptr + (cols + N)[None, :, None, None] * stride_w_n + (k_start + offs_k) * stride_w_k
+    # Partial sums per lane: the cross-lane (and cross-warp) sum runs once, after the loop.
+    acc = tl.zeros((BLOCK_M, BLOCK_N, LANES), dtype=tl.float32)
+    acc_up = acc
+
+    for _ in range(0, k_full, BLOCK_K):
+        acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, offs_k, GATED, False)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+        w_up_ptrs += BLOCK_K * stride_w_k
+    if k_full < k_end - k_start:
+        # the tail: fewer than BLOCK_K columns left
+        mask_k = offs_k < k_end - k_start - k_full
+        acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED, True)
+
+    acc = tl.sum(acc, axis=2)
+    if GATED:
+        acc_up = tl.sum(acc_up, axis=2)
+    else:
+        acc_up = acc
+
+    if SPLIT_K > 1:
+        # fp32 partials; the gate's in columns [0, N), the up's in [N, 2N) (gemm.py's reduce layout)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        part_ptrs = (part_ptr + pid_k.to(tl.int64) * stride_part_split
+                     + offs_m.to(tl.int64)[:, None] * stride_part_m + offs_n[None, :])
+        tl.store(part_ptrs, acc, mask=mask)
+        if GATED:
+            tl.store(part_ptrs + N, acc_up, mask=mask)
+    else:
+        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+
+
+# -------------------------------------------------------------------------------------------------
+# Launchers
+# -------------------------------------------------------------------------------------------------
+
+_REDUCE_BLOCK_N = 256
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _weight_layout_ok(weight: torch.Tensor) -> bool:
+    # K contiguous (nn.Linear) streams 16-byte row segments; N contiguous (a transposed view)
+    # vectorises along N instead. Any other layout would gather single elements.
+    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.stride(0) == 1)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_fwd takes this linear: at most GEMV_M_MAX rows, fp16/bf16/fp32, weight of x's
+    dtype and device with unit stride along K or N. (x with a non-unit K stride is copied, cheap at
+    16 rows.)"""
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.device == x.device
+            and rows <= GEMV_M_MAX and _weight_layout_ok(weight))
+
+
+def gemv_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    residual: torch.Tensor | None = None,
+    config: GemvConfig | tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) + residual for x of at most 16 rows, streaming the weight once.
+
+    x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
+    (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
+    `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` overrides the heuristic (tests, benchmarks).
+    """
+    N = check_linear_args(x, weight, bias, activation, residual)
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"gemv_fwd takes fp16, bf16 or fp32, got {x.dtype}")
+    if not _weight_layout_ok(weight):
+        raise ValueError(f"gemv_fwd needs weight with unit stride along K (nn.Linear) or N, got strides "
+                         f"{tuple(weight.stride())}: pass weight.contiguous()")
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M > GEMV_M_MAX:
+        raise ValueError(f"gemv_fwd takes at most {GEMV_M_MAX} rows, got {M}: use gemm.linear_fwd")
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return out.view(*lead, N)
+    res2 = residual.reshape(-1, N) if residual is not None else None
+
+    conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device))
+    gated = activation == "silu_mul"
+    bucket = gemv_bucket(M)
+    split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
+    # Unsplit launches get a 1-element stand-in (never written): same pointer type, same kernel.
+    part = torch.empty((split_k, M, 2 * N if gated else N) if split_k > 1 else (1, 1, 1),
+                       device=x.device, dtype=torch.float32)
+
+    # Absent tensors are replaced by `out` (never read: HAS_BIAS / HAS_RESIDUAL are false).
+    epilogue_args = (
+        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
+        res2 if res2 is not None else out,
+        res2.stride(0) if res2 is not None else 0, res2.stride(1) if res2 is not None else 0,
+        out, out.stride(0),
+    )
+    flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None)
+    grid = (triton.cdiv(N, conf.block_n), split_k)
+    _gemv_fwd_kernel[grid](
+        x2, x2.stride(0),
+        weight, weight.stride(0), weight.stride(1),
+        *epilogue_args,
+        part, part.stride(0), part.stride(1),
+        M, N, K, split_k,
+        **flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+        VEC=min(conf.block_k, 16 // x.element_size()),
+        num_warps=conf.num_warps, num_stages=1,
+    )
+    if split_k > 1:
+        reduce_grid = (1, triton.cdiv(N, _REDUCE_BLOCK_N))
+        _linear_splitk_reduce_kernel[reduce_grid](
+            part, part.stride(0), part.stride(1),
+            *epilogue_args,
+            M, N, split_k,
+            **flags, BLOCK_M=bucket, BLOCK_N=_REDUCE_BLOCK_N,
+        )
+    return out.view(*lead, N)

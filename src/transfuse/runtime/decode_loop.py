@@ -1,0 +1,376 @@
+"""generate()'s greedy and sampling loop, each decode step replayed as one CUDA graph.
+
+Hugging Face's `_sample` spends milliseconds of Python per token around the forward: it prepares
+inputs, builds the 4-D mask, runs the logits processors, concatenates the growing `input_ids` and
+waits for the GPU to decide whether to stop. On a 1B model the forward itself takes less than that,
+so the GPU idles most of each step whatever the kernels do.
+
+`DecodeLoop` runs the same algorithm on fixed buffers instead:
+
+    tokens (B, 1)   the token fed to the next step       mask (B, L)  HF's 2-D mask, zero-padded to
+    positions (B,1) its position id                                   the static cache's length L
+    column (1,)     the mask column of the next token     out (B, max_new)  the tokens chosen
+    unfinished (B,) rows not yet past EOS                 done (max_new,)   all rows finished, per step
+
+One step = prepare inputs -> forward (transfuse's compiled forward) -> logits processors -> argmax
+or multinomial -> EOS bookkeeping -> buffers advanced in place. Every operand has a fixed address,
+so the whole step is captured once per (batch, cache, sampling settings) and replayed for every
+later token of every later call. The host looks at the GPU only every CHECK_EVERY steps, through a
+non-blocking copy of "all rows finished", and the steps run past the end (at most a few) are cut off
+using `done`: the returned tokens are exactly those of Hugging Face's loop.
+
+Prefill stays Hugging Face's (`_prefill`, through transfuse's bucketed graphs). The first call of a
+key runs one decode step eagerly (Triton compiles, GEMM choices are measured: never inside capture),
+then captures. On CPU, or without CUDA graphs, the same step runs eagerly every token.
+
+Anything the loop does not implement runs Hugging Face's own `_sample`, and the report says why:
+a cache transfuse did not create, streamers, output_scores/logits/attentions/hidden_states,
+synced GPUs, assisted decoding, chunked prefill, model inputs that grow per token (token_type_ids,
+inputs_embeds), stopping criteria other than max length and EOS, logits processors that read the
+generated ids (repetition penalty, n-gram blocking, ...).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+
+import torch
+
+from transfuse.runtime.cuda_graphs import AddressCheck
+
+log = logging.getLogger("transfuse")
+
+CHECK_EVERY = 4  # steps between two looks at "all rows finished" (each look is non-blocking)
+MAX_GRAPHS = 8
+
+# Processors that only read the scores: captured as they are.
+_SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+               "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper")
+# Processors that read only the length of the generated ids: reimplemented on a length tensor.
+_MIN_LENGTH = ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
+_STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")
+# Model inputs that Hugging Face's loop changes per token; the loop keeps them in its buffers.
+_PER_STEP = ("attention_mask", "position_ids", "past_key_values")
+_REFUSED_INPUTS = ("token_type_ids", "mm_token_type_ids", "inputs_embeds")
+
+
+def _describe_processor(p) -> tuple:
+    """What a captured processor's behaviour depends on: its type and its plain settings."""
+    items = sorted((k, v) for k, v in vars(p).items() if isinstance(v, (bool, int, float, str, type(None))))
+    return (type(p).__name__, tuple(items))
+
+
+class _Buffers:
+    """The step's state, at fixed addresses for the graph that reads and writes it."""
+
+    def __init__(self, batch: int, length: int, max_new: int, vocab: int, min_lengths: int, device):
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, 1, **long)
+        self.positions = torch.zeros(batch, 1, **long)
+        self.mask = torch.zeros(batch, length, **long)
+        self.column = torch.zeros(1, **long)
+        self.step = torch.zeros(1, **long)     # index into out/done of the next choice
+        self.cur_len = torch.zeros((), **long)  # input_ids.shape[-1] in Hugging Face's loop
+        self.out = torch.zeros(batch, max_new, **long)
+        self.done = torch.zeros(max_new, dtype=torch.bool, device=device)
+        self.all_done = torch.zeros((), dtype=torch.bool, device=device)
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.pad = torch.zeros((), **long)
+        # Per min-length processor: its threshold on cur_len and the vocabulary entries it blocks.
+        self.min_len = torch.zeros(max(1, min_lengths), **long)
+        self.min_len_blocked = torch.zeros(max(1, min_lengths), vocab, dtype=torch.bool, device=device)
+        self.max_new = max_new
+
+
+class _Entry:
+    def __init__(self, buffers: _Buffers, eos: torch.Tensor | None):
+        self.buffers = buffers
+        self.eos = eos
+        self.graph = None
+        self.backend = None  # the backend whose kernels and merged weights the graph replays
+        self.params: AddressCheck | None = None
+        self.no_graph_reason: str | None = None
+        self.replays = 0
+
+
+class DecodeLoop:
+    """Replaces Hugging Face's `_sample` for one model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, hf_sample, owned_caches, state, use_graphs: bool):
+        self.model = model
+        self.hf_sample = hf_sample  # the class's unbound _sample
+        self.owned_caches = owned_caches  # callable: the caches transfuse created (their tensors never move)
+        self.state = state  # transfuse's _State: its current backend owns the kernels' merged weights
+        self.use_graphs = use_graphs
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.calls = 0
+        self.steps_replayed = 0
+        self.steps_eager = 0
+        self.steps_discarded = 0
+        self.captures = 0
+        self.left_to_hf: collections.Counter = collections.Counter()
+
+    # ---------------------------------------------------------------------------------------------
+    # Whether this call is one the loop reproduces exactly
+
+    def unsupported(self, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                    model_kwargs) -> str | None:
+        config = generation_config
+        if synced_gpus:
+            return "synced_gpus"
+        if streamer is not None:
+            return "a streamer (every token must reach the host as it comes)"
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(config, name, False) and config.return_dict_in_generate:
+                return f"{name}=True"
+        if getattr(config, "is_assistant", False):
+            return "assisted generation"
+        if getattr(config, "prefill_chunk_size", None) is not None:
+            return "prefill_chunk_size"
+        if self.model.training:
+            return "the model is in training mode"
+        if self.state.eager_reason is not None:
+            return "the model runs as it was (see 'left to eager')"
+        cache = model_kwargs.get("past_key_values")
+        if cache is None or not any(cache is c for c in self.owned_caches()):
+            return "a KV cache transfuse did not create (its tensors may move between calls)"
+        for key in _REFUSED_INPUTS:
+            if model_kwargs.get(key) is not None:
+                return f"{key} (an input that changes every token)"
+        if model_kwargs.get("attention_mask") is None or model_kwargs["attention_mask"].dim() != 2:
+            return "no 2-D attention mask"
+        if model_kwargs.get("position_ids") is not None and model_kwargs["position_ids"].dim() != 2:
+            return "position ids that are not 2-D"
+        for p in logits_processor:
+            if type(p).__name__ not in _SCORE_ONLY + _MIN_LENGTH:
+                return f"logits processor {type(p).__name__}"
+        for c in stopping_criteria:
+            if type(c).__name__ not in _STOPPING:
+                return f"stopping criterion {type(c).__name__}"
+        return None
+
+    # ---------------------------------------------------------------------------------------------
+
+    def __call__(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                 synced_gpus=False, streamer=None, **model_kwargs):
+        reason = self.unsupported(logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                                  model_kwargs)
+        if reason is not None:
+            self.left_to_hf[reason] += 1
+            return self.hf_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        self.calls += 1
+        return self._generate(input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    def _generate(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        model = self.model
+        batch, prompt_len = input_ids.shape
+        max_new = stopping_criteria.max_length - prompt_len
+        cache = model_kwargs["past_key_values"]
+        eos_ids = sorted({int(i) for c in stopping_criteria for i in _ids(getattr(c, "eos_token_id", None))})
+        do_sample = bool(generation_config.do_sample)
+        exact_stop = bool(generation_config.return_dict_in_generate)  # the cache is returned: no extra steps
+
+        outputs = model._prefill(input_ids, generation_config, model_kwargs)
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        del outputs
+
+        # The 2-D mask is indexed by absolute position (a sliding-window layer's cache is shorter
+        # than the sequence): as long as the cache's longest layer and every position generated.
+        length = max(cache.get_max_length(), _round_up(stopping_criteria.max_length))
+        constant = {k: v for k, v in model_kwargs.items() if k not in _PER_STEP}
+        key = (batch, id(cache), length, _round_up(max_new), do_sample, tuple(eos_ids),
+               tuple(_describe_processor(p) for p in logits_processor),
+               tuple(sorted((k, repr(v) if not isinstance(v, torch.Tensor) else ("tensor", v.shape, v.dtype))
+                            for k, v in constant.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            mins = sum(type(p).__name__ in _MIN_LENGTH for p in logits_processor)
+            eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device) if eos_ids else None
+            entry = _Entry(_Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device), eos)
+            self.entries[key] = entry
+            while len(self.entries) > MAX_GRAPHS:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        b = entry.buffers
+        self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len)
+
+        def choose(logits):
+            self._choose(logits, b, entry.eos, logits_processor, do_sample)
+
+        def step():
+            inputs = model.prepare_inputs_for_generation(
+                b.tokens, next_sequence_length=1, attention_mask=b.mask, position_ids=b.positions,
+                past_key_values=cache, **constant)
+            out = model(**inputs, return_dict=True)
+            choose(out.logits[:, -1].to(dtype=torch.float32))
+            b.mask.index_fill_(1, b.column, 1)
+            b.column.add_(1)
+            b.positions.add_(1)
+
+        choose(logits)  # the prefill's token
+        chosen = 1
+        pending = collections.deque()
+        stopped = False
+        with getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)():
+            while chosen < max_new and not stopped:
+                self._run_step(entry, step)
+                chosen += 1
+                if entry.eos is None:
+                    continue
+                if exact_stop or input_ids.device.type != "cuda":
+                    stopped = bool(b.all_done)  # a sync per step, as Hugging Face's loop does
+                elif chosen % CHECK_EVERY == 0:
+                    pending.append(_Flag(b.all_done))
+                    while pending and pending[0].ready():
+                        stopped = stopped or pending.popleft().value()
+        # The steps taken after every row finished chose only padding: drop them, as HF never ran them.
+        done = b.done[:chosen].nonzero()
+        used = int(done[0, 0]) + 1 if len(done) else chosen
+        self.steps_discarded += chosen - used
+        sequences = torch.cat([input_ids, b.out[:, :used]], dim=-1)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=model_kwargs["past_key_values"])
+        return sequences
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _reset(self, b: _Buffers, entry: _Entry, model_kwargs, logits_processor, generation_config, prompt_len):
+        mask = model_kwargs["attention_mask"]  # prompt + the prefill's token
+        n = mask.shape[1]
+        b.mask.zero_()
+        b.mask[:, :n].copy_(mask)
+        b.column.fill_(n)
+        positions = model_kwargs.get("position_ids")
+        if positions is not None:
+            b.positions.copy_(positions[:, -1:])
+        else:  # the model derives positions from the cache; they are not read
+            b.positions.fill_(n - 1)
+        b.step.zero_()
+        b.cur_len.fill_(prompt_len)
+        b.out.zero_()
+        b.done.zero_()
+        b.all_done.zero_()
+        b.unfinished.fill_(True)
+        pad = generation_config._pad_token_tensor
+        b.pad.fill_(int(pad) if pad is not None else 0)
+        b.min_len_blocked.zero_()
+        i = 0
+        for p in logits_processor:
+            name = type(p).__name__
+            if name not in _MIN_LENGTH:
+                continue
+            threshold = p.min_length if name == "MinLengthLogitsProcessor" else p.prompt_length_to_skip + p.min_new_tokens
+            b.min_len[i] = threshold
+            ids = [j for j in _ids(p.eos_token_id) if 0 <= j < b.min_len_blocked.shape[1]]
+            b.min_len_blocked[i, ids] = True
+            i += 1
+
+    def _choose(self, logits, b: _Buffers, eos, logits_processor, do_sample: bool) -> None:
+        """Hugging Face's token choice on the step's logits, written into the buffers."""
+        scores = logits
+        i = 0
+        for p in logits_processor:
+            if type(p).__name__ in _MIN_LENGTH:
+                block = b.min_len_blocked[i] & (b.cur_len < b.min_len[i])
+                scores = scores.masked_fill(block, -math.inf)
+                i += 1
+            else:
+                scores = p(None, scores)
+        if do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if eos is not None:
+            tokens = torch.where(b.unfinished, tokens, b.pad)
+            b.unfinished.logical_and_(~torch.isin(tokens, eos))
+        b.out.index_copy_(1, b.step, tokens[:, None])
+        b.all_done.copy_(~b.unfinished.any())
+        b.done.index_copy_(0, b.step, b.all_done[None])
+        b.tokens.copy_(tokens[:, None])
+        b.step.add_(1)
+        b.cur_len.add_(1)
+
+    def _run_step(self, entry: _Entry, step) -> None:
+        if (entry.graph is not None and entry.backend is self.state.backend
+                and entry.params.same(self._params())):
+            entry.graph.replay()
+            entry.replays += 1
+            self.steps_replayed += 1
+            return
+        if entry.graph is not None:  # parameters moved or the model changed (a new backend): again
+            entry.graph = None
+        step()
+        self.steps_eager += 1
+        if self.use_graphs and entry.no_graph_reason is None and entry.graph is None:
+            self._capture(entry, step)
+
+    def _capture(self, entry: _Entry, step) -> None:
+        """Captures one step after its first eager run (kernels compiled, GEMM choices measured)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.state.backend.pool.get()):
+                step()
+        except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
+            entry.no_graph_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            log.warning("transfuse: the decode step runs without a CUDA graph: %s", entry.no_graph_reason)
+            return
+        self.captures += 1
+        self.state.backend.pool.graphs_captured += 1
+        entry.graph = graph
+        entry.backend = self.state.backend
+        entry.params = AddressCheck(self._params(), range(len(self._params())))
+
+    def _params(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def describe(self) -> str:
+        if not self.calls and not self.left_to_hf:
+            return ""
+        text = (f"decode loop: {self.calls} call(s), {self.steps_replayed} step(s) replayed from "
+                f"{self.captures} graph(s), {self.steps_eager} eager, {self.steps_discarded} run past the end "
+                f"and dropped")
+        reasons = [e.no_graph_reason for e in self.entries.values() if e.no_graph_reason]
+        if reasons:
+            text += f"; without a graph: {reasons[-1]}"
+        for reason, n in self.left_to_hf.most_common():
+            text += f"\n    left to Hugging Face's loop x{n}: {reason}"
+        return text
+
+
+class _Flag:
+    """A non-blocking look at a device boolean: copied to pinned memory, read once the copy is done."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.host.copy_(flag, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event.query()
+
+    def value(self) -> bool:
+        return bool(self.host)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(i) for i in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(i) for i in value]
+
+
+def _round_up(n: int) -> int:
+    """Buffer lengths for the tokens chosen: a few sizes, so calls of similar length share a graph."""
+    return max(64, 1 << max(0, n - 1).bit_length())

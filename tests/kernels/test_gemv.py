@@ -1,0 +1,163 @@
+"""Weight-streaming GEMV (transfuse.kernels.gemv) against the plain-PyTorch reference. Tiny shapes:
+on CPU the kernel runs in Triton's interpreter, whose one config (BLOCK_N=16, BLOCK_K=32) makes
+N in {5, 40, 66} and K in {24, 100} cross every block edge (K=24: only a masked tail step; K=100:
+three whole steps and a tail of 4)."""
+
+import pytest
+import torch
+
+from transfuse.kernels import gemv as kernels
+from transfuse.kernels.gemm import ACTIVATIONS
+from transfuse.kernels.gemv import GEMV_M_MAX, GemvConfig, gemv_applies, gemv_bucket, gemv_fwd
+from transfuse.reference.gemm import linear_ref
+
+# dtype, atol added to twice torch's own error against the fp32 reference. bf16: the interpreter
+# rounds fp32 -> bf16 toward zero (a GPU rounds to nearest), so our error can reach one bf16 ulp
+# where torch's is half of one; the factor 2 in the bound absorbs it.
+DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
+
+
+def _randn(shape, dtype, scale=1.0):
+    return (scale * torch.randn(shape, dtype=torch.float32)).to(dtype)
+
+
+def _problem(lead, K, N, activation, dtype, has_bias=True, has_residual=True):
+    """x, weight, bias, residual with outputs of order one (weights scaled by 1/sqrt(K)); the
+    residual is a non-contiguous view (N first in memory), as the kernel must read it in place."""
+    rows = 2 * N if activation == "silu_mul" else N
+    x = _randn((*lead, K), dtype)
+    weight = _randn((rows, K), dtype, K**-0.5)
+    bias = _randn((rows,), dtype) if has_bias else None
+    residual = None
+    if has_residual:
+        residual = _randn((N, *lead), dtype).permute(*range(1, len(lead) + 1), 0)
+        assert not residual.is_contiguous() or residual.numel() == N
+    return x, weight, bias, residual
+
+
+def _assert_within_torch_error(ours, args, activation, atol):
+    """Our max error against the fp32 reference is at most twice torch's own in the same dtype."""
+    x, weight, bias, residual = args
+    gold = linear_ref(x, weight, bias, activation, residual, upcast=True)
+    same = linear_ref(x, weight, bias, activation, residual)
+    assert ours.shape == gold.shape and ours.dtype == x.dtype and ours.is_contiguous()
+    err_ours = (ours.float() - gold).abs().max().item()
+    err_torch = (same.float() - gold).abs().max().item()
+    assert err_ours <= 2 * err_torch + atol, f"err {err_ours:.3g} vs torch {err_torch:.3g} (+{atol})"
+
+
+@pytest.mark.parametrize("has_bias,has_residual", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype,atol", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_every_epilogue(activation, dtype, atol, has_bias, has_residual):
+    args = _problem((3,), 100, 40, activation, dtype, has_bias, has_residual)
+    _assert_within_torch_error(gemv_fwd(*args[:3], activation, args[3]), args, activation, atol)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("K", [24, 100])
+@pytest.mark.parametrize("N", [5, 40, 66])
+def test_gemv_shapes(M, K, N):
+    args = _problem((M,), K, N, "gelu", torch.float32)
+    _assert_within_torch_error(gemv_fwd(*args[:3], "gelu", args[3]), args, "gelu", 1e-5)
+
+
+@pytest.mark.parametrize("activation", ["none", "silu_mul"])
+@pytest.mark.parametrize("dtype,atol", DTYPES[1:], ids=["fp16", "bf16"])
+def test_gemv_leading_dims(activation, dtype, atol):
+    args = _problem((2, 3), 100, 33, activation, dtype)
+    out = gemv_fwd(*args[:3], activation, args[3])
+    assert out.shape == (2, 3, 33)
+    _assert_within_torch_error(out, args, activation, atol)
+
+
+@pytest.mark.parametrize("config", [
+    GemvConfig(16, 32, 2, 4),   # split-K: K=100 in 4 steps of 32, two splits of 2 steps
+    GemvConfig(16, 32, 3, 4),   # three splits of 2 steps: the third starts past K (zero partial)
+    GemvConfig(8, 64, 1, 4),    # one whole step and a tail of 36
+    GemvConfig(4, 16, 1, 1),    # more column blocks than rows of a small N
+    GemvConfig(32, 128, 1, 4),  # a K step longer than K: a tail only
+])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh"])
+def test_gemv_explicit_config(config, activation):
+    args = _problem((5,), 100, 66, activation, torch.float16)
+    out = gemv_fwd(*args[:3], activation, args[3], config=config)
+    _assert_within_torch_error(out, args, activation, 1e-3)
+
+
+def test_gemv_split_k_bf16_residual():
+    args = _problem((16,), 100, 40, "relu", torch.bfloat16)
+    out = gemv_fwd(*args[:3], "relu", args[3], config=(16, 32, 2, 4))
+    _assert_within_torch_error(out, args, "relu", 1e-2)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+def test_gemv_weight_read_through_strides(layout):
+    K, N = 100, 40
+    if layout == "row_slice":  # rows of a bigger (fused) weight: row stride K, offset storage
+        weight = _randn((3 * N, K), torch.float16, K**-0.5)[N:2 * N]
+    else:  # (N, K) view of a (K, N) tensor: stride 1 along N
+        weight = _randn((K, N), torch.float16, K**-0.5).t()
+    x, bias = _randn((3, K), torch.float16), _randn((N,), torch.float16)
+    assert gemv_applies(x, weight)
+    out = gemv_fwd(x, weight, bias, "silu", None)
+    _assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-3)
+
+
+def test_gemv_strided_x():
+    # x: the middle third of a fused (B, S, 3K) output, and a stride-2 view along K (copied)
+    K, N = 100, 40
+    qkv = _randn((2, 3, 3 * K), torch.float32)
+    weight = _randn((N, K), torch.float32, K**-0.5)
+    for x in (qkv[..., K:2 * K], _randn((3, 2 * K), torch.float32)[:, ::2]):
+        out = gemv_fwd(x, weight, None, "tanh", None)
+        _assert_within_torch_error(out, (x, weight, None, None), "tanh", 1e-5)
+
+
+def test_gemv_empty_rows():
+    x = torch.empty(0, 24)
+    assert gemv_fwd(x, torch.randn(5, 24)).shape == (0, 5)
+
+
+def test_gemv_bad_inputs():
+    x = _randn((3, 100), torch.float32)
+    with pytest.raises(ValueError, match=r"weight must be \(N, 100\)"):
+        gemv_fwd(x, _randn((40, 99), torch.float32))
+    with pytest.raises(ValueError, match="linear_fwd"):
+        gemv_fwd(_randn((GEMV_M_MAX + 1, 100), torch.float32), _randn((40, 100), torch.float32))
+    with pytest.raises(ValueError, match=r"contiguous\(\)"):
+        gemv_fwd(x, _randn((80, 200), torch.float32)[::2, ::2])
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemv_fwd(x, _randn((41, 100), torch.float32), activation="silu_mul")
+    with pytest.raises(ValueError, match="float16"):
+        gemv_fwd(x, _randn((40, 100), torch.float16))
+
+
+def test_gemv_applies():
+    w = torch.randn(40, 100)
+    assert gemv_applies(torch.randn(16, 100), w)
+    assert gemv_applies(torch.randn(2, 8, 100), w)
+    assert not gemv_applies(torch.randn(17, 100), w)
+    assert not gemv_applies(torch.randn(3, 99), w)
+    assert not gemv_applies(torch.randn(3, 100).double(), w.double())
+    assert not gemv_applies(torch.randn(3, 100), w.half())
+    assert not gemv_applies(torch.randn(3, 100), torch.randn(80, 200)[::2, ::2])
+
+
+def test_buckets_and_gpu_configs():
+    assert [gemv_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    for bucket, configs in kernels._CONFIGS.items():
+        for conf in configs:  # every GPU config: 16-byte loads on every lane, fp16 and fp32
+            assert kernels.keep(conf, 2) and kernels.keep(conf, 4), (bucket, conf)
+
+
+def test_heuristic_fits_the_shape():
+    fit = kernels._fit
+    base = GemvConfig(4, 2048, 1, 4)
+    assert fit(base, 4096, 4096, 132) == base  # Llama-7B o-proj: 1024 column blocks, unsplit
+    # K=768: half the K step on half the warps, still 16 bytes a lane
+    assert fit(base, 4096, 768, 132) == GemvConfig(4, 1024, 1, 2)
+    # N=256: 64 column blocks on 132 SMs, split along K (at most 4, at least one step each)
+    assert fit(base, 256, 8192, 132) == GemvConfig(4, 2048, 4, 4)
+    assert fit(base, 256, 3000, 132) == GemvConfig(4, 2048, 2, 4)
+    assert kernels.keep(fit(base, 4096, 24, 132))
