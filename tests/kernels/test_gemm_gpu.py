@@ -184,3 +184,20 @@ def test_cuda_graph_capture_after_warm_up(backend):
     torch.cuda.synchronize()
     out = _capture(lambda: torch.ops.transfuse.linear(*args[:3], "gelu", args[3]))
     _assert_within_torch_error(out, args, "gelu")
+
+
+@pytest.mark.parametrize("case", ["llama_mlp", "bert_ffn2", "bert_qkv"])
+@pytest.mark.parametrize("M", [1, 2])
+def test_op_dispatched_decode_rows(case, M):
+    """1 and 2 rows (decode) are their own row bucket, timed against the GEMV kernel too; the choice
+    is within torch's error and never slower than the best torch candidate."""
+    K, N, act, has_bias, has_res = CASES[case]
+    args = _problem(M, K, N, act, torch.float16, has_bias, has_res)
+    out = torch.ops.transfuse.linear(*args[:3], act, args[3])
+    _assert_within_torch_error(out, args, act)
+    choice = gemm_choices()[GemmKey(M, N, K, "float16", act, has_bias, has_res)]
+    assert choice.measured and "gemv" in choice.times_ms, choice
+    best_torch = min(t for n, t in choice.times_ms.items() if not (n.startswith("triton") or n == "gemv"))
+    chosen = {"triton": choice.times_ms.get(f"triton/split_k={choice.split_k}")}.get(choice.backend) \
+        or choice.times_ms[choice.backend]
+    assert chosen <= best_torch

@@ -91,17 +91,24 @@ def test_gemv_split_k_bf16_residual():
     _assert_within_torch_error(out, args, "relu", 1e-2)
 
 
-@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
-def test_gemv_weight_read_through_strides(layout):
+def test_gemv_weight_row_slice():
+    # rows of a bigger (fused) weight: row stride K, storage offset, read in place
     K, N = 100, 40
-    if layout == "row_slice":  # rows of a bigger (fused) weight: row stride K, offset storage
-        weight = _randn((3 * N, K), torch.float16, K**-0.5)[N:2 * N]
-    else:  # (N, K) view of a (K, N) tensor: stride 1 along N
-        weight = _randn((K, N), torch.float16, K**-0.5).t()
+    weight = _randn((3 * N, K), torch.float16, K**-0.5)[N:2 * N]
     x, bias = _randn((3, K), torch.float16), _randn((N,), torch.float16)
     assert gemv_applies(x, weight)
     out = gemv_fwd(x, weight, bias, "silu", None)
     _assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-3)
+
+
+def test_gemv_refuses_transposed_weight():
+    # an (N, K) view of a (K, N) tensor would be read through shared-memory conversions, slower
+    # than cuBLAS on the same view: refused, with the fix in the message
+    weight = torch.randn(100, 40).t()
+    x = torch.randn(3, 100)
+    assert not gemv_applies(x, weight)
+    with pytest.raises(ValueError, match=r"weight.contiguous\(\)"):
+        gemv_fwd(x, weight)
 
 
 def test_gemv_strided_x():
@@ -126,7 +133,7 @@ def test_gemv_bad_inputs():
     with pytest.raises(ValueError, match="linear_fwd"):
         gemv_fwd(_randn((GEMV_M_MAX + 1, 100), torch.float32), _randn((40, 100), torch.float32))
     with pytest.raises(ValueError, match=r"contiguous\(\)"):
-        gemv_fwd(x, _randn((80, 200), torch.float32)[::2, ::2])
+        gemv_fwd(x, _randn((40, 200), torch.float32)[:, ::2])
     with pytest.raises(ValueError, match="silu_mul"):
         gemv_fwd(x, _randn((41, 100), torch.float32), activation="silu_mul")
     with pytest.raises(ValueError, match="float16"):
@@ -141,23 +148,40 @@ def test_gemv_applies():
     assert not gemv_applies(torch.randn(3, 99), w)
     assert not gemv_applies(torch.randn(3, 100).double(), w.double())
     assert not gemv_applies(torch.randn(3, 100), w.half())
-    assert not gemv_applies(torch.randn(3, 100), torch.randn(80, 200)[::2, ::2])
+    assert not gemv_applies(torch.randn(3, 100), torch.randn(40, 200)[:, ::2])
+    assert gemv_applies(torch.randn(2, 100), w, max_rows=kernels.GEMV_FAST_M_MAX)
+    assert not gemv_applies(torch.randn(4, 100), w, max_rows=kernels.GEMV_FAST_M_MAX)
 
 
-def test_buckets_and_gpu_configs():
+def test_buckets():
     assert [gemv_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
-    for bucket, configs in kernels._CONFIGS.items():
-        for conf in configs:  # every GPU config: 16-byte loads on every lane, fp16 and fp32
-            assert kernels.keep(conf, 2) and kernels.keep(conf, 4), (bucket, conf)
 
 
 def test_heuristic_fits_the_shape():
-    fit = kernels._fit
-    base = GemvConfig(4, 2048, 1, 4)
-    assert fit(base, 4096, 4096, 132) == base  # Llama-7B o-proj: 1024 column blocks, unsplit
+    def fit(n, k, base=GemvConfig(4, 2048, 1, 4)):
+        return kernels._fit(base, n, k, 132)
+
+    assert fit(4096, 4096) == GemvConfig(4, 2048, 1, 4)  # Llama-7B o-proj: 1024 column blocks, unsplit
     # K=768: half the K step on half the warps, still 16 bytes a lane
-    assert fit(base, 4096, 768, 132) == GemvConfig(4, 1024, 1, 2)
-    # N=256: 64 column blocks on 132 SMs, split along K (at most 4, at least one step each)
-    assert fit(base, 256, 8192, 132) == GemvConfig(4, 2048, 4, 4)
-    assert fit(base, 256, 3000, 132) == GemvConfig(4, 2048, 2, 4)
-    assert kernels.keep(fit(base, 4096, 24, 132))
+    assert fit(4096, 768) == GemvConfig(4, 1024, 1, 2)
+    assert kernels.keep(fit(4096, 24))
+    # N=256: 64 column blocks on 132 SMs: split K while a split keeps two steps, up to 4
+    assert fit(256, 8192) == GemvConfig(4, 2048, 2, 4)
+    assert fit(256, 16384) == GemvConfig(4, 2048, 4, 4)
+    assert fit(256, 3000) == GemvConfig(4, 2048, 1, 4)
+
+
+def test_gpu_config_lists(monkeypatch):
+    from transfuse.kernels import _config
+
+    monkeypatch.setattr(_config, "INTERPRET", False)  # the GPU lists, not the interpreter's config
+    assert kernels.gemv_configs(1) == kernels._CONFIGS[1]
+    assert kernels.gemv_configs(3, gated=True) == kernels._GATED_CONFIGS[4]
+    for m in (1, 2, 4, 8, 16):
+        for gated in (False, True):
+            configs = kernels.gemv_configs(m, gated)
+            assert configs and len(set(configs)) == len(configs)
+            for conf in configs:  # 16-byte loads on every lane, fp16 and fp32
+                assert kernels.keep(conf, 2) and kernels.keep(conf, 4), conf
+            if gated and m >= 4:  # two accumulators: at most 16 / rows columns
+                assert all(conf.block_n <= 16 // m for conf in configs)

@@ -60,3 +60,32 @@ def test_rotary_gpu(dtype, dim, strided):
     ours = (rotary_fwd(x, cos, sin).double() - exact).abs().max().item()
     theirs = (_eager(x, cos, sin).double() - exact).abs().max().item()
     assert ours <= max(theirs, 1e-3), f"transfuse error {ours:.2e} vs eager {dtype} error {theirs:.2e}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_pair_equals_two_rotations(device, dtype):
+    """Q and K of grouped-query attention (different head counts, strided slices) in one launch:
+    bit for bit what rotary_fwd gives for each."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transfuse.kernels.rotary import rotary_pair_fwd
+
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 7, 4 + 2 + 2, 24, device=device).to(dtype)  # (B, S, Hq + 2 Hkv, D)
+    q, k = qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2)
+    angle = torch.randn(2, 1, 7, 12, device=device)
+    angle = torch.cat((angle, angle), dim=-1)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    q_out, k_out = rotary_pair_fwd(q, k, cos, sin)
+    assert torch.equal(q_out, rotary_fwd(q, cos, sin)) and torch.equal(k_out, rotary_fwd(k, cos, sin))
+    torch.testing.assert_close(k_out.float(), rotary_ref(k, cos, sin).float(), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="must share"):
+        rotary_pair_fwd(q[:1], k, cos[:1], sin[:1])
+
+
+def test_rotary_pair_opcheck():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    cos, sin = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+    torch.library.opcheck(torch.ops.transfuse.rotary_pair.default, (q, k, cos, sin))

@@ -21,15 +21,15 @@ FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **COMMON),
              {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_LIKE,
-              {"TorchSDPA": 2, "RotaryEmbedding": 4, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4),
-                {"TorchSDPA": 2, "RotaryEmbedding": 4, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+                {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE,  # bias on Q, K, V
-              {"TorchSDPA": 2, "RotaryEmbedding": 4, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
-              {"TorchSDPA": 2, "RotaryEmbedding": 4, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
-             {"TorchSDPA": 2, "RotaryEmbedding": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4}),
+             {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4}),
 }
 
 

@@ -105,3 +105,43 @@ def test_nan_input_gives_nan_like_eager():
     x[0, 2, 3] = float("nan")
     ref, out, _, _ = eager_then_optimized(model, x)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+class GroupedQuery(torch.nn.Module):
+    """Grouped-query attention written with Hugging Face's repeat_kv (expand + reshape of the KV
+    heads), through SDPA or by hand (k transposed in the product)."""
+
+    def __init__(self, sdpa: bool, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+        super().__init__()
+        self.sdpa, self.heads, self.kv_heads, self.dim = sdpa, heads, kv_heads, dim
+        self.q = torch.nn.Linear(heads * dim, heads * dim)
+        self.kv = torch.nn.Linear(heads * dim, 2 * kv_heads * dim)
+
+    @staticmethod
+    def repeat_kv(x, n_rep):
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k, v = (z.view(b, t, self.kv_heads, self.dim).transpose(1, 2) for z in self.kv(x).chunk(2, dim=-1))
+        n_rep = self.heads // self.kv_heads
+        k, v = self.repeat_kv(k, n_rep), self.repeat_kv(v, n_rep)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            att = torch.matmul(q, k.transpose(2, 3)) * self.dim**-0.5 + mask
+            y = torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_grouped_query_reads_kv_heads_without_repeating_them(sdpa):
+    torch.manual_seed(0)
+    model = GroupedQuery(sdpa).eval()
+    x = torch.randn(2, 11, 64)
+    mask = torch.randn(2, 1, 11, 11)
+    ref, out, rewrites, _ = eager_then_optimized(model, x, mask)
+    assert rewrites.get("GroupedKV") == 1, rewrites
+    assert rel_err(out, ref) < 1e-5

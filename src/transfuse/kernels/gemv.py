@@ -2,8 +2,8 @@
 
     out = act(x @ weight.T + bias) + residual
 
-    x:        (M, K)  rows of the flattened (..., K) input, M <= 16; unit stride along K
-    weight:   (N, K)  nn.Linear layout (K contiguous), or a transposed view (stride 1 along N)
+    x:        (M, K)  rows of the flattened (..., K) input, M <= 16; unit stride along K, any row stride
+    weight:   (N, K)  nn.Linear layout: unit stride along K, any row stride (row slices of a fused weight)
     bias:     (N,)
     residual: (M, N)  any strides
     out:      (M, N)  contiguous, dtype of x
@@ -12,28 +12,41 @@ Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up], out = silu(
 numerics are those of `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding
 at the store. The epilogue and the split-K reduce kernel are gemm.py's own.
 
-Why a second kernel: with M <= 16 rows a linear moves N*K weight elements and does 2*M*N*K flops, so
-at 16-bit weights it is bound by HBM bandwidth (M flops per weight byte; H100: 3.35 TB/s against
-67 TFLOP/s of fp32 FMA, the balance point is M ~ 20). The floor is the time to read the weight once:
-Llama-7B's (N, K) = (4096, 11008) down projection is 90 MB, 27 us at 3.35 TB/s. A tensor-core tile
-of 16 rows and a tl.dot wastes rows at M = 1..8 and needs deep shared-memory pipelines to keep
-enough bytes in flight; here each program streams its weight rows straight into registers.
+Why a second kernel: a linear of M rows reads N*K weight elements and does M*N*K multiply-adds, so
+for M ~ 1 it is bound by reading the weight from HBM once (Llama-7B's (N, K) = (4096, 11008) down
+projection: 90 MB, 27 us at 3.35 TB/s). A 16-row tensor-core tile (gemm.py) computes 16 rows for
+one, and its loads go through shared memory; here each program streams its weight rows straight
+into registers and multiplies on the CUDA cores.
 
-Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all M rows and the
-pid_k-th of SPLIT_K slices of K. It walks its slice in BLOCK_K steps: a (BLOCK_N, BLOCK_K) weight
-tile (each row segment BLOCK_K * 2 >= 256 contiguous bytes, 16-byte loads), times the (M, BLOCK_K)
-x chunk broadcast over the weight rows, summed over K in fp32 with tl.sum. x is tiny and read
-from L2 by every program; the weight is read from HBM exactly once.
+Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all M rows (M padded to
+the power-of-two bucket BLOCK_M) and the pid_k-th of SPLIT_K slices of K. Each BLOCK_K step loads a
+(BLOCK_N, BLOCK_K) weight tile, each thread 16 contiguous bytes of every row (so a warp reads
+512 contiguous bytes of a row), and the (M, BLOCK_K) x chunk, each thread the same K positions of
+every row; the thread multiplies in fp32 and sums its 8 elements in registers (tl.sum). The sums
+across the lanes and warps that share a row (tl.sum again) wait until after the loop: a cross-lane
+reduction every step would cost 5 shuffles per 8 products. No tl.dot: the data never goes through
+shared memory.
 
-Split-K: shapes like (2048, 2048) give N / BLOCK_N = 64..128 column blocks, too few programs to
-keep 132 SMs' worth of loads in flight. SPLIT_K programs then share a column block's K range;
-each writes an fp32 partial (SPLIT_K, M, N) to a workspace and gemm.py's reduce kernel sums them in
-split order (deterministic, no atomics) and applies the epilogue (which cannot run on partial sums:
-the activation is not linear).
+Split-K: where N / BLOCK_N gives too few programs to keep every SM's loads in flight, SPLIT_K
+programs share a column block's K range; each writes fp32 partials (SPLIT_K, M, N) to a workspace
+and gemm.py's reduce kernel sums them in split order (deterministic, no atomics) and applies the
+epilogue (which cannot run on partial sums: the activation is not linear).
+
+Where it pays (H100 SXM, torch 2.11, triton 3.6, fp16, weights from HBM, 2026-11-22;
+bench/kernels/bench_gemv.py), against cuBLAS (F.linear + eager epilogue ops):
+- 1 row: 1.08-1.50x faster on every Llama-1.1B and Llama-7B linear; the large ones (7B qkv,
+  gate_up, lm_head, 1.1B lm_head) reach 98-104% of the 2.96 TB/s device-to-device copy bandwidth,
+  the small ones (1.1B o-proj, 8 MB: 5.3 us) are bound by launch and ramp-up, not bandwidth;
+- 2 rows: 1.00-1.33x;
+- 8 rows: ~0.3-0.6x, 16 rows: ~0.15-0.3x. From 4 rows up the CUDA cores, not HBM, set the pace
+  (M multiply-adds plus conversions per weight element on 128 fp32 lanes per SM), where
+  gemm.linear_fwd's tensor-core tile runs at cuBLAS speed. GEMV_FAST_M_MAX records the crossover;
+  gemv_fwd still takes up to 16 rows (correct, not fast).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -43,7 +56,8 @@ import triton.language as tl
 from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
 from transfuse.kernels.gemm import _linear_epilogue, _linear_splitk_reduce_kernel, check_linear_args
 
-GEMV_M_MAX = 16
+GEMV_M_MAX = 16  # rows gemv_fwd takes
+GEMV_FAST_M_MAX = 2  # rows up to which it matched or beat cuBLAS on every Llama shape (see above)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -60,19 +74,30 @@ class GemvConfig(NamedTuple):
 # Configs
 # -------------------------------------------------------------------------------------------------
 
-# GemvConfig(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per M bucket, the heuristic's default first; the
-# rest are what bench/kernels/bench_gemv.py sweeps. Measured on an H100 (fp16, Llama shapes): narrow
-# column blocks win everywhere (N / 4 programs is >= 512 for N >= 2048, enough loads in flight
-# without split-K); BLOCK_K = 32 lanes * num_warps * 8 elements (16-byte loads) * 1..2 steps.
-# Per-thread registers grow as BLOCK_M * BLOCK_N (accumulators) + (BLOCK_M + BLOCK_N) * 8 (the
-# x and weight vectors), so the column block narrows as M grows.
+# GemvConfig(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per M bucket, the heuristic's default first; all
+# of them are what bench/kernels/bench_gemv.py sweeps. BLOCK_K is 32 lanes * num_warps * 8 elements
+# (16-byte loads) * 1 or 2 steps. Narrow column blocks won on every Llama shape (H100, fp16): N / 2
+# programs keep enough loads in flight without split-K, and a thread's registers grow as
+# BLOCK_M * BLOCK_N accumulators + (BLOCK_M + BLOCK_N) * 8 loaded elements. At 1 row the listed
+# configs were within ~5% of each other on every shape. Beyond 2 rows see GEMV_FAST_M_MAX.
 _CONFIGS = {
-    1: [GemvConfig(4, 2048, 1, 4), GemvConfig(2, 2048, 1, 4), GemvConfig(8, 2048, 1, 4),
-        GemvConfig(4, 4096, 1, 8), GemvConfig(4, 1024, 1, 4), GemvConfig(4, 1024, 2, 4)],
-    2: [GemvConfig(4, 1024, 1, 4), GemvConfig(4, 1024, 1, 2), GemvConfig(4, 2048, 1, 4)],
-    4: [GemvConfig(4, 512, 1, 2), GemvConfig(4, 1024, 1, 4)],
+    1: [GemvConfig(2, 2048, 1, 4), GemvConfig(4, 2048, 1, 4), GemvConfig(4, 1024, 1, 4),
+        GemvConfig(2, 1024, 1, 2), GemvConfig(2, 2048, 2, 4)],
+    2: [GemvConfig(4, 1024, 1, 2), GemvConfig(4, 1024, 1, 4), GemvConfig(2, 1024, 1, 4)],
+    4: [GemvConfig(4, 512, 1, 2), GemvConfig(4, 1024, 1, 4), GemvConfig(2, 512, 1, 2)],
     8: [GemvConfig(8, 512, 1, 2), GemvConfig(8, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
     16: [GemvConfig(4, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
+}
+# "silu_mul": a program streams 2 * BLOCK_N weight rows into two accumulators, so its column blocks
+# are narrower from 4 rows up (at most 16 / BLOCK_M columns). Wider ones spill (8 rows x 8 columns,
+# gated: ~900 B a thread, ptxas sm_90) and ran 35x slower than the plain linear on an H100. At 2
+# rows 4 warps beat 2 by ~15% here, the opposite of the plain linear (measured, not explained).
+_GATED_CONFIGS = {
+    1: [GemvConfig(2, 2048, 1, 4), GemvConfig(4, 1024, 1, 4), GemvConfig(2, 1024, 1, 2)],
+    2: [GemvConfig(2, 1024, 1, 4), GemvConfig(4, 1024, 1, 4), GemvConfig(4, 1024, 1, 2)],
+    4: [GemvConfig(4, 512, 1, 2), GemvConfig(2, 512, 1, 2)],
+    8: [GemvConfig(2, 512, 1, 2), GemvConfig(2, 1024, 1, 4)],
+    16: [GemvConfig(1, 512, 1, 2), GemvConfig(1, 1024, 1, 4)],
 }
 
 # Under the interpreter: small blocks so that tiny test shapes cross block edges in N and K.
@@ -84,9 +109,10 @@ def gemv_bucket(m: int) -> int:
     return next_power_of_2(max(m, 1))
 
 
-def gemv_configs(m: int) -> list[GemvConfig]:
-    """The configs for m rows, default first (the interpreter's one under TRITON_INTERPRET)."""
-    return tune_configs(_CONFIGS[gemv_bucket(m)], _INTERPRET_CONFIG)
+def gemv_configs(m: int, gated: bool = False) -> list[GemvConfig]:
+    """The configs for m rows, `gated` for "silu_mul", default first (the interpreter's one config
+    under TRITON_INTERPRET)."""
+    return tune_configs((_GATED_CONFIGS if gated else _CONFIGS)[gemv_bucket(m)], _INTERPRET_CONFIG)
 
 
 def keep(conf: GemvConfig, element_size: int = 2) -> bool:
@@ -96,26 +122,30 @@ def keep(conf: GemvConfig, element_size: int = 2) -> bool:
     return conf.block_k % (32 * conf.num_warps * vec) == 0
 
 
-def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The heuristic's config for an (m, n, k) linear on a GPU of num_sms SMs (the interpreter's
-    config under TRITON_INTERPRET)."""
-    conf = gemv_configs(m)[0]
+def default_config(m: int, n: int, k: int, num_sms: int, gated: bool = False) -> GemvConfig:
+    """The heuristic's config for an (m rows, n columns, k) linear on a GPU of num_sms SMs, `gated`
+    for "silu_mul" (the interpreter's config under TRITON_INTERPRET)."""
+    conf = gemv_configs(m, gated)[0]
     return conf if INTERPRET else _fit(conf, n, k, num_sms)
 
 
 def _fit(conf: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The M bucket's default fitted to the shape: a shorter K step where K is short (with fewer
-    warps, so every lane still loads 16 bytes), and split-K where the column blocks alone give
-    fewer than two programs per SM. The split rule is a starting point, not a measurement: every
-    Llama shape has N >= 2048, hence >= 256 column blocks, and runs unsplit."""
-    block_k, num_warps = conf.block_k, conf.num_warps
+    """The M bucket's default fitted to the shape:
+    - a shorter K step where K is short, with fewer warps, so that every lane still loads 16 bytes;
+    - split-K (2 or 4) where the column blocks give fewer than two programs per SM, as long as
+      every split keeps at least two K steps. Checked on a few BERT-size shapes only (N = 768 and
+      1024 at 4 rows: 5-7% faster split in two; at 1 row, 2-column blocks unsplit beat any split):
+      every Llama shape has N >= 2048 and runs unsplit.
+    """
+    block_n, block_k, num_warps = conf.block_n, conf.block_k, conf.num_warps
     while num_warps > 1 and block_k >= 2 * next_power_of_2(k):
         block_k, num_warps = block_k // 2, num_warps // 2
-    programs = triton.cdiv(n, conf.block_n)
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
     split_k = conf.split_k
-    if programs < 2 * num_sms:
-        split_k = max(split_k, min(4, triton.cdiv(2 * num_sms, programs), triton.cdiv(k, block_k)))
-    return GemvConfig(conf.block_n, block_k, split_k, num_warps)
+    while split_k < 4 and programs * split_k < 2 * num_sms and steps >= 4 * split_k:
+        split_k *= 2
+    return GemvConfig(block_n, block_k, split_k, num_warps)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -126,7 +156,10 @@ def _fit(conf: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
 @triton.jit
 def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_K step: acc[m, n, l] += sum_p x[m, l, p] * w[n, l, p] over this thread's VEC
-    contiguous K elements p (in registers); the sum over lanes l waits for the end of the loop."""
+    contiguous K elements p (in registers); the sum over lanes l waits for the end of the loop.
+    The weight is read once and evicted first, so that x (re-read by every program) and the
+    residual stay in L2. Values are widened to fp32 right after loading: fp32 products and sums,
+    and the interpreter's bf16 arithmetic is wrong otherwise."""
     if MASKED:
         x = tl.load(x_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_last")
         w = tl.load(w_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
@@ -149,7 +182,7 @@ def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constex
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
 def _gemv_fwd_kernel(
     x_ptr, stride_x_m,
-    w_ptr, stride_w_n, stride_w_k,
+    w_ptr, stride_w_n,  # unit stride along K
     bias_ptr, stride_bias,
     res_ptr, stride_res_m, stride_res_n,
     out_ptr, stride_out_m,
@@ -159,7 +192,7 @@ def _gemv_fwd_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # M's power-of-two bucket; rows past M re-read row M - 1, never stored
+    BLOCK_M: tl.constexpr,  # M's power-of-two bucket; rows past M re-read row m % M, never stored
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # contiguous K elements a thread loads at once: 16 bytes
@@ -172,8 +205,7 @@ def _gemv_fwd_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows and columns wrap back into range instead of being masked, so that the main
-    # loop's loads need no masks at all (the wrapped ones are never stored). A modulo, not a
-    # minimum: it keeps Triton's contiguity analysis, which vectorises a transposed weight along N.
+    # loop's loads need no masks at all (the wrapped ones are never stored).
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
 
@@ -192,9 +224,9 @@ def _gemv_fwd_kernel(
     offs_k = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     offs_k = offs_k[None, None, :, :]
     x_ptrs = x_ptr + rows[:, None, None, None] * stride_x_m + (k_start + offs_k)
-    w_ptrs = w_ptr + cols[None, :, None, None] * stride_w_n + (k_start + offs_k) * stride_w_k
+    w_ptrs = w_ptr + cols[None, :, None, None] * stride_w_n + (k_start + offs_k)
     # the up rows start N rows below the gate rows (int64: N * stride can pass 2**31)
-    w_up_ptrs = w_ptr + (cols + N)[None, :, None, None] * stride_w_n + (k_start + offs_k) * stride_w_k
+    w_up_ptrs = w_ptr + (cols + N)[None, :, None, None] * stride_w_n + (k_start + offs_k)
     # Partial sums per lane: the cross-lane (and cross-warp) sum runs once, after the loop.
     acc = tl.zeros((BLOCK_M, BLOCK_N, LANES), dtype=tl.float32)
     acc_up = acc
@@ -202,8 +234,8 @@ def _gemv_fwd_kernel(
     for _ in range(0, k_full, BLOCK_K):
         acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, offs_k, GATED, False)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_w_k
-        w_up_ptrs += BLOCK_K * stride_w_k
+        w_ptrs += BLOCK_K
+        w_up_ptrs += BLOCK_K
     if k_full < k_end - k_start:
         # the tail: fewer than BLOCK_K columns left
         mask_k = offs_k < k_end - k_start - k_full
@@ -243,20 +275,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _weight_layout_ok(weight: torch.Tensor) -> bool:
-    # K contiguous (nn.Linear) streams 16-byte row segments; N contiguous (a transposed view)
-    # vectorises along N instead. Any other layout would gather single elements.
-    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.stride(0) == 1)
+    # K contiguous: each thread streams 16-byte row segments. A transposed view (stride 1 along N)
+    # would be read correctly through its strides but not cheaply: the weight tile then reaches
+    # registers through a shared-memory layout conversion every step, 1.5-2.7x slower than a
+    # contiguous weight and slower than cuBLAS on the same view (H100, fp16, 1 row), so it is refused.
+    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] <= 1)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv_fwd takes this linear: at most GEMV_M_MAX rows, fp16/bf16/fp32, weight of x's
-    dtype and device with unit stride along K or N. (x with a non-unit K stride is copied, cheap at
-    16 rows.)"""
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_M_MAX) -> bool:
+    """Whether gemv_fwd takes this linear: x of at most `max_rows` (<= GEMV_M_MAX) rows, fp16, bf16
+    or fp32, the weight of x's dtype and device with unit stride along K. (x with a non-unit K
+    stride is copied, cheap at 16 rows.) Pass max_rows=GEMV_FAST_M_MAX to ask whether it is also
+    the fast choice without measuring."""
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])
     return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.device == x.device
-            and rows <= GEMV_M_MAX and _weight_layout_ok(weight))
+            and rows <= min(max_rows, GEMV_M_MAX) and _weight_layout_ok(weight))
 
 
 def gemv_fwd(
@@ -277,8 +312,9 @@ def gemv_fwd(
     if x.dtype not in _DTYPES:
         raise ValueError(f"gemv_fwd takes fp16, bf16 or fp32, got {x.dtype}")
     if not _weight_layout_ok(weight):
-        raise ValueError(f"gemv_fwd needs weight with unit stride along K (nn.Linear) or N, got strides "
-                         f"{tuple(weight.stride())}: pass weight.contiguous()")
+        raise ValueError(f"gemv_fwd streams weights with unit stride along K (nn.Linear's layout), got "
+                         f"strides {tuple(weight.stride())}: pass weight.contiguous(), or use "
+                         f"gemm.linear_fwd, which reads any strides")
     K = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
@@ -292,8 +328,8 @@ def gemv_fwd(
         return out.view(*lead, N)
     res2 = residual.reshape(-1, N) if residual is not None else None
 
-    conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device))
     gated = activation == "silu_mul"
+    conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device), gated)
     bucket = gemv_bucket(M)
     split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
     # Unsplit launches get a 1-element stand-in (never written): same pointer type, same kernel.
@@ -311,7 +347,7 @@ def gemv_fwd(
     grid = (triton.cdiv(N, conf.block_n), split_k)
     _gemv_fwd_kernel[grid](
         x2, x2.stride(0),
-        weight, weight.stride(0), weight.stride(1),
+        weight, weight.stride(0),
         *epilogue_args,
         part, part.stride(0), part.stride(1),
         M, N, K, split_k,

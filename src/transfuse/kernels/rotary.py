@@ -21,16 +21,17 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ELEMENTS_PER_PROGRAM = 4096
 
 
-@triton.jit(do_not_specialize=["n_rows", "H", "S"])
-def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+@triton.jit
+def _rotate_rows(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, block,
     n_rows, H, S,
     stride_xb, stride_xh, stride_xs,
     stride_cb, stride_ch, stride_cs,
     stride_sb, stride_sh, stride_ss,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Rows [block * BLOCK_R, (block + 1) * BLOCK_R) of x viewed as (B * H * S, D)."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
     s = rows64 % S
@@ -52,6 +53,41 @@ def _rotary_kernel(
                   mask=ok, other=0.0).to(tl.float32)
     out = x * cos + sign[None, :] * x_partner * sin
     tl.store(out_ptr + rows64[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_rows", "H", "S"])
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    n_rows, H, S,
+    stride_xb, stride_xh, stride_xs,
+    stride_cb, stride_ch, stride_cs,
+    stride_sb, stride_sh, stride_ss,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    _rotate_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), n_rows, H, S,
+                 stride_xb, stride_xh, stride_xs, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
+                 D, HALF, BLOCK_D, BLOCK_R)
+
+
+@triton.jit(do_not_specialize=["q_blocks", "q_rows", "k_rows", "HQ", "HK", "S"])
+def _rotary_pair_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    q_blocks, q_rows, k_rows, HQ, HK, S,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_cqb, stride_cqh, stride_cqs, stride_sqb, stride_sqh, stride_sqs,
+    stride_ckb, stride_ckh, stride_cks, stride_skb, stride_skh, stride_sks,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Q and K of one attention in one launch: the first q_blocks programs rotate Q, the rest K."""
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rotate_rows(q_ptr, cos_ptr, sin_ptr, q_out_ptr, pid, q_rows, HQ, S,
+                     stride_qb, stride_qh, stride_qs, stride_cqb, stride_cqh, stride_cqs,
+                     stride_sqb, stride_sqh, stride_sqs, D, HALF, BLOCK_D, BLOCK_R)
+    else:
+        _rotate_rows(k_ptr, cos_ptr, sin_ptr, k_out_ptr, pid - q_blocks, k_rows, HK, S,
+                     stride_kb, stride_kh, stride_ks, stride_ckb, stride_ckh, stride_cks,
+                     stride_skb, stride_skh, stride_sks, D, HALF, BLOCK_D, BLOCK_R)
 
 
 def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -79,6 +115,11 @@ def _broadcast_strides(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int,
     return t, (t.stride(0), t.stride(1), t.stride(2))
 
 
+def _blocks(D: int) -> tuple[int, int]:
+    block_d = max(16, next_power_of_2(D))
+    return block_d, max(1, min(64, _ELEMENTS_PER_PROGRAM // block_d))
+
+
 def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     check_rotary_args(x, cos, sin)
     B, H, S, D = x.shape
@@ -90,8 +131,7 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         x = x.contiguous()
     cos, cos_strides = _broadcast_strides(cos, x.shape)
     sin, sin_strides = _broadcast_strides(sin, x.shape)
-    block_d = max(16, next_power_of_2(D))
-    block_r = max(1, min(64, _ELEMENTS_PER_PROGRAM // block_d))
+    block_d, block_r = _blocks(D)
     grid = (triton.cdiv(n_rows, block_r),)
     _rotary_kernel[grid](
         x, cos, sin, out, n_rows, H, S,
@@ -99,3 +139,42 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
     )
     return out
+
+
+def check_rotary_pair_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    check_rotary_args(q, cos, sin)
+    check_rotary_args(k, cos, sin)
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3] or q.dtype != k.dtype:
+        raise ValueError(f"rotary_pair: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must share "
+                         "batch, seq, head dim and dtype (heads may differ)")
+
+
+def rotary_pair_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """rotary_fwd(q, cos, sin), rotary_fwd(k, cos, sin) in one launch (decode runs many tiny ones)."""
+    check_rotary_pair_args(q, k, cos, sin)
+    B, HQ, S, D = q.shape
+    HK = k.shape[1]
+    q_out = torch.empty((B, HQ, S, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((B, HK, S, D), dtype=k.dtype, device=k.device)
+    q_rows, k_rows = B * HQ * S, B * HK * S
+    if q_rows == 0:
+        return q_out, k_out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos_q, cq = _broadcast_strides(cos, q.shape)
+    sin_q, sq = _broadcast_strides(sin, q.shape)
+    cos_k, ck = _broadcast_strides(cos, k.shape)
+    sin_k, sk = _broadcast_strides(sin, k.shape)
+    if cos_q.data_ptr() != cos_k.data_ptr() or sin_q.data_ptr() != sin_k.data_ptr():
+        # A broadcast needed a copy (cos with a non-unit last stride): two launches, same result.
+        return rotary_fwd(q, cos, sin), rotary_fwd(k, cos, sin)
+    block_d, block_r = _blocks(D)
+    q_blocks = triton.cdiv(q_rows, block_r)
+    grid = (q_blocks + triton.cdiv(k_rows, block_r),)
+    _rotary_pair_kernel[grid](
+        q, k, cos_q, sin_q, q_out, k_out, q_blocks, q_rows, k_rows, HQ, HK, S,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        *cq, *sq, *ck, *sk,
+        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+    )
+    return q_out, k_out

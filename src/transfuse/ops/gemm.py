@@ -11,12 +11,14 @@ On a GPU the op runs one of two implementations, whichever is faster for the sha
 
 - "triton": transfuse.kernels.gemm, one GEMM whose epilogue applies bias, activation and
   residual on the fp32 accumulator (plus a split-K variant for few rows);
+- "gemv": transfuse.kernels.gemv, weight streaming on the CUDA cores for 1-2 rows (decode), the
+  same epilogue;
 - "torch": cuBLAS through torch.addmm / torch.mm, then the epilogue as PyTorch ops, which is what
   the unfused model runs; "torch_lt" is the same with cuBLASLt's fused epilogue
   (torch._addmm_activation) where that computes exactly what is asked: relu, and gelu_tanh (its
   GELU is the tanh approximation on CUDA; on CPU it is the erf GELU, so it is never used there).
 
-The choice is keyed by GemmKey (M rounded up to a power of two, N, K, dtype, activation, has_bias,
+The choice is keyed by GemmKey (M: 1, 2, then rounded up to a power of two from 16; N, K, dtype, activation, has_bias,
 has_residual) and made the first time a key is seen, by timing every candidate on the call's own
 inputs (Triton with its row regime's fixed tile, so that a new shape compiles and tunes nothing) (GPU time from CUDA events, L2 flushed, launch overhead excluded because the op runs under
 CUDA graphs); Triton must beat the best torch candidate by MARGIN to be chosen, so a tie goes to
@@ -45,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from transfuse.kernels import gemm as kernels
+from transfuse.kernels import gemv
 from transfuse.kernels._config import INTERPRET
 
 BACKEND_ENV = "TRANSFUSE_GEMM_BACKEND"
@@ -72,7 +75,7 @@ class GemmKey(NamedTuple):
 
 @dataclass
 class GemmChoice:
-    backend: str  # "triton", "torch" or "torch_lt"
+    backend: str  # "triton", "gemv", "torch" or "torch_lt"
     split_k: int = 1  # Triton only
     tile: Optional[tuple] = None  # Triton only: a fixed tile (None: autotuned per key)
     measured: bool = False
@@ -99,7 +102,7 @@ def _disk_path(device: torch.device):
     if index not in _DISK:
         from transfuse.runtime import tuning_cache
 
-        path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, __file__])
+        path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, gemv.__file__, __file__])
         for key, value in tuning_cache.load(path).items():
             if value.get("tile") is not None:
                 value["tile"] = tuple(value["tile"])
@@ -252,23 +255,32 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
         candidates[f"triton/split_k={split}"] = (
             lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split, tile=tile))
 
+    if M <= gemv.GEMV_FAST_M_MAX and gemv.gemv_applies(x, weight, max_rows=gemv.GEMV_FAST_M_MAX):
+        candidates["gemv"] = lambda: gemv.gemv_fwd(x, weight, bias, activation, residual)
+
     note = ""
     for name, fn in list(candidates.items()):
         try:
             fn()  # compiles and autotunes Triton, warms cuBLAS's heuristics cache
         except Exception as e:  # noqa: BLE001 - a Triton failure must degrade to cuBLAS, not crash the model
-            if not name.startswith("triton"):
+            if not _ours(name):
                 raise
             note = f"{name} failed: {type(e).__name__}: {e}"
             warnings.warn(f"transfuse.linear {key}: {note}; using torch", stacklevel=3)
             del candidates[name]
     times = _gpu_times_ms(candidates, x.device)
 
-    best_torch = min((n for n in times if not n.startswith("triton")), key=times.get)
-    best_triton = min((n for n in times if n.startswith("triton")), key=times.get, default=None)
+    best_torch = min((n for n in times if not _ours(n)), key=times.get)
+    best_triton = min((n for n in times if _ours(n)), key=times.get, default=None)
     if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
+        if best_triton == "gemv":
+            return GemmChoice("gemv", measured=True, times_ms=times, note=note)
         return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), tile=tile, measured=True, times_ms=times, note=note)
     return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
+
+
+def _ours(candidate: str) -> bool:
+    return candidate.startswith("triton") or candidate == "gemv"
 
 
 def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
@@ -283,7 +295,7 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
     M = math.prod(x.shape[:-1])
     if M == 0:
         return GemmChoice("torch")
-    key = GemmKey(kernels.m_bucket(M), n_out, x.shape[-1], str(x.dtype).removeprefix("torch."),
+    key = GemmKey(_rows_key(M), n_out, x.shape[-1], str(x.dtype).removeprefix("torch."),
                   activation, bias is not None, residual is not None, weight.stride(-1) != 1)
     capturing = torch.cuda.is_current_stream_capturing()
     if not capturing:
@@ -301,6 +313,12 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
         _CHOICES[key] = choice
         _save_choices(x.device)
     return choice
+
+
+def _rows_key(m: int) -> int:
+    """The row bucket a choice is keyed on: 1 and 2 rows apart (decode, where the GEMV kernel can
+    win), then powers of two from 16 (kernels.m_bucket)."""
+    return gemv.gemv_bucket(m) if m <= gemv.GEMV_FAST_M_MAX else kernels.m_bucket(m)
 
 
 def _settled_by_neighbours(key: GemmKey) -> GemmChoice | None:
@@ -334,6 +352,8 @@ def linear(
     choice = _choose(x, weight, bias, activation, residual, n_out)
     if choice.backend == "triton":
         return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k, tile=choice.tile)
+    if choice.backend == "gemv":
+        return gemv.gemv_fwd(x, weight, bias, activation, residual)
     return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")
 
 

@@ -19,6 +19,7 @@ inserted once next to the mask and reused by every attention that reads it.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -315,6 +316,14 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
             k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
         if three_d:  # (batch*heads, seq, dim) -> (batch*heads, 1, seq, dim)
             q, k, v = (_view(graph, t, "unsqueeze", 1) for t in (q, k, v))
+        else:
+            # K/V heads repeated for grouped-query attention: the kernel reads each KV head once
+            # for its query group instead (the repeat would copy the whole cache every layer).
+            k_heads, v_heads = _repeated_heads(k), _repeated_heads(v)
+            if (k_heads is not None and v_heads is not None
+                    and [str(x) for x in shape(k_heads)[:2]] == [str(x) for x in shape(v_heads)[:2]]):
+                k, v = k_heads, v_heads
+                ctx.matched("GroupedKV")
         mask = _combined_mask(graph, spec)
         if mask is not None and three_d and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
             mask = _view(graph, mask, "unsqueeze", 1)
@@ -332,6 +341,35 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
             new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)
+
+
+def _repeated_heads(node: fx.Node) -> fx.Node | None:
+    """x for `x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)`, the
+    repeat of KV heads that grouped-query attention is written with (Hugging Face's repeat_kv);
+    None for anything else. Matched on shapes: dims other than the inserted one are x's own."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("reshape", "view")):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+        return None
+    index = expand.args[0]
+    if not (isinstance(index, fx.Node) and index.op == "call_function" and index.target is operator.getitem):
+        return None
+    source, key = index.args
+    full = slice(None, None, None)
+    if not (isinstance(key, tuple) and key == (full, full, None, full, full)):
+        return None
+    src, wide, out = tensor_meta(source), tensor_meta(expand), tensor_meta(node)
+    if src is None or wide is None or out is None or src.dim() != 4 or wide.dim() != 5 or out.dim() != 4:
+        return None
+    b, h, s, d = (str(x) for x in src.shape)
+    if [str(x) for x in wide.shape[:2]] + [str(x) for x in wide.shape[3:]] != [b, h, s, d]:
+        return None
+    if [str(out.shape[0]), str(out.shape[2]), str(out.shape[3])] != [b, s, d]:
+        return None
+    if str(out.shape[1]) != str(wide.shape[1] * wide.shape[2]):
+        return None
+    return source
 
 
 def _view(graph: fx.Graph, node: fx.Node, method: str, *args) -> fx.Node:

@@ -285,6 +285,9 @@ class _Analysis:
             pass
         elif name == "transfuse.rotary":  # element-wise but for the head dim, which it rotates
             self.refuse(self.dim_syms(node.args[0], -1), node, "rotates across a padded dimension")
+        elif name == "transfuse.rotary_pair":
+            self.refuse(self.dim_syms(node.args[0], -1) | self.dim_syms(node.args[1], -1), node,
+                        "rotates across a padded dimension")
         else:
             self.refuse(involved, node, "is not known to keep padded positions apart")
 

@@ -118,3 +118,42 @@ def run(ctx: PassContext) -> None:
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         ctx.matched(PATTERN)
+    _pair_up(ctx)
+
+
+def _pair_up(ctx: PassContext) -> None:
+    """Two rotations with the same cos and sin (an attention's Q and K) become one launch
+    (transfuse.rotary_pair), placed where both inputs exist and neither output is used yet."""
+    graph = ctx.gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waiting: dict = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.transfuse.rotary.default:
+            continue
+        key = (node.args[1], node.args[2])
+        first = waiting.pop(key, None)
+        if first is None:
+            waiting[key] = node
+            continue
+        # At the second rotation when nothing reads the first before it (Llama), else at the first
+        # when the second's input already exists there (Phi-3 concatenates q before slicing k).
+        if all(order[u] > order[node] for u in first.users):
+            at = node
+        elif order[node.args[0]] < order[first]:
+            at = first
+        else:
+            waiting[key] = node
+            continue
+        q_meta, k_meta = tensor_meta(first.args[0]), tensor_meta(node.args[0])
+        if q_meta.dtype != k_meta.dtype or str(q_meta.shape[0]) != str(k_meta.shape[0]) \
+                or str(q_meta.shape[2:]) != str(k_meta.shape[2:]):
+            waiting[key] = node
+            continue
+        with graph.inserting_before(at):
+            pair = graph.call_function(torch.ops.transfuse.rotary_pair.default, (first.args[0], node.args[0], *key))
+            outs = [graph.call_function(operator.getitem, (pair, i)) for i in (0, 1)]
+        for old, new in zip((first, node), outs):
+            new.meta.update(old.meta)
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+        ctx.matched("RotaryPair")

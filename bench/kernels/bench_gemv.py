@@ -1,0 +1,204 @@
+"""Decode-size linears (1, 2, 8 and 16 rows) on Llama-1.1B and Llama-7B weights: transfuse's
+weight-streaming GEMV (transfuse.kernels.gemv) with every config of its sweep, against cuBLAS
+(F.linear + the epilogue as PyTorch ops) and transfuse's Triton GEMM (gemm.linear_fwd, autotuned).
+
+    PYTHONPATH=src python3 bench/kernels/bench_gemv.py                    # the table (fp16), ~1-2 min
+    PYTHONPATH=src python3 bench/kernels/bench_gemv.py --m 1,2,4 --models 7b --dtype bf16
+    PYTHONPATH=src python3 bench/kernels/bench_gemv.py --json results.json
+
+Method: each candidate is timed inside one CUDA graph of back-to-back calls over `copies` distinct
+weight tensors (at least 8, and at least 3x the L2 size in all), so that every call reads its
+weight from HBM as a model's layers do, while x, the residual and the output stay in L2 as they
+would; CUDA events around each replay, median of --reps replays, divided by the number of calls.
+Every candidate is checked against an fp32 reference before it is timed.
+
+GB/s counts the bytes a call must move: weight + x + out (+ residual), over its time, and is
+compared with the device-to-device copy bandwidth measured in the same run (2 * bytes / time of a
+1 GiB copy): the practical ceiling, below the 3.35 TB/s datasheet figure of an H100 SXM.
+
+Columns: torch = cuBLAS through F.linear then the epilogue ops (chunk, silu, mul, add) in eager
+PyTorch; triton = gemm.linear_fwd (16-row tensor-core tile, split-K, autotuned on first call);
+gemv = gemv_fwd with the launcher's heuristic config; best = the fastest config of the sweep
+(BLOCK_N, BLOCK_K, SPLIT_K, num_warps).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+# (model, layer, N, K, activation, residual): N output columns (silu_mul weights have 2N rows)
+SHAPES = [
+    ("llama-1.1b", "qkv", 2560, 2048, "none", False),
+    ("llama-1.1b", "o+res", 2048, 2048, "none", True),
+    ("llama-1.1b", "gate_up+silu_mul", 5632, 2048, "silu_mul", False),
+    ("llama-1.1b", "down+res", 2048, 5632, "none", True),
+    ("llama-1.1b", "lm_head", 32000, 2048, "none", False),
+    ("llama-7b", "qkv", 12288, 4096, "none", False),
+    ("llama-7b", "o+res", 4096, 4096, "none", True),
+    ("llama-7b", "gate_up+silu_mul", 11008, 4096, "silu_mul", False),
+    ("llama-7b", "down+res", 4096, 11008, "none", True),
+    ("llama-7b", "lm_head", 32000, 4096, "none", False),
+]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def graph_us(call, copies: int, reps: int) -> float:
+    """Median time of one call, from replays of a CUDA graph of `call(0) .. call(copies - 1)`."""
+    for i in range(copies):  # compiles, autotunes and loads every kernel outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
+    del graph
+    return statistics.median(times)
+
+
+def copy_gbps(reps: int = 30) -> float:
+    src = torch.randn(2**29, device="cuda", dtype=torch.float16)  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def torch_linear(x, w, act, r):
+    h = F.linear(x, w)
+    if act == "silu_mul":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    return h + r if r is not None else h
+
+
+def cfg_str(conf) -> str:
+    return "(" + ",".join(str(v) for v in conf) + ")"
+
+
+def main():
+    from transfuse.kernels.gemm import linear_fwd
+    from transfuse.kernels.gemv import _num_sms, default_config, gemv_configs, gemv_fwd
+    from transfuse.reference.gemm import linear_ref
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", default="1,2,8,16", help="row counts, comma-separated (<= 16)")
+    parser.add_argument("--models", default="1.1b,7b", help="which of llama-1.1b, llama-7b")
+    parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", help="write every measurement to this file")
+    args = parser.parse_args()
+    ms = [int(m) for m in args.m.split(",")]
+    models = {f"llama-{m.strip().lower().removeprefix('llama-')}" for m in args.models.split(",")}
+    dtype = DTYPES[args.dtype]
+    elem = torch.finfo(dtype).bits // 8
+
+    t_start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
+    copy_bw = copy_gbps()
+    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.date.today().isoformat()}, {args.dtype}; copy bandwidth {copy_bw:.0f} GB/s, "
+          f"L2 {l2_bytes / 2**20:.0f} MiB")
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for model, layer, N, K, act, has_res in SHAPES:
+        if model not in models:
+            continue
+        rows = 2 * N if act == "silu_mul" else N
+        w_bytes = rows * K * elem
+        copies = max(8, math.ceil(3 * l2_bytes / w_bytes))
+        weights = [(torch.randn(rows, K, device="cuda", generator=gen) * K**-0.5).to(dtype)
+                   for _ in range(copies)]
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+            r = torch.randn(M, N, device="cuda", generator=gen).to(dtype) if has_res else None
+            gold = linear_ref(x, weights[0], None, act, r, upcast=True)
+            moved = w_bytes + (M * K + M * N * (2 if has_res else 1)) * elem
+
+            def checked(fn, name):
+                err = ((fn(0).float() - gold).norm() / gold.norm()).item()
+                if not err < 1e-2:
+                    raise AssertionError(f"{model} {layer} M={M} {name}: relative error {err:.3g}")
+
+            candidates = {
+                "torch": lambda i: torch_linear(x, weights[i], act, r),
+                "triton": lambda i: linear_fwd(x, weights[i], None, act, r),
+            }
+            chosen = default_config(M, N, K, _num_sms(x.device), act == "silu_mul")
+            sweep = list(gemv_configs(M, act == "silu_mul"))
+            if chosen not in sweep:
+                sweep.append(chosen)
+            for conf in sweep:
+                candidates[cfg_str(conf)] = lambda i, conf=conf: gemv_fwd(x, weights[i], None, act, r, config=conf)
+            times = {}
+            for name, fn in candidates.items():
+                checked(fn, name)
+                times[name] = graph_us(fn, copies, args.reps)
+            gemv_names = [cfg_str(conf) for conf in sweep]
+            best = min(gemv_names, key=times.get)
+            row = dict(model=model, layer=layer, N=N, K=K, M=M, activation=act, residual=has_res,
+                       bytes=moved, copies=copies, times_us=times, heuristic=cfg_str(chosen), best=best)
+            results.append(row)
+            gbps = {name: moved / t / 1e3 for name, t in times.items()}
+            print(f"{model:10s} {layer:16s} N={N:5d} K={K:5d} M={M:2d}  "
+                  f"torch {times['torch']:6.1f} us {gbps['torch']:5.0f} GB/s | "
+                  f"triton {times['triton']:6.1f} | gemv {times[cfg_str(chosen)]:6.1f} {cfg_str(chosen)} | "
+                  f"best {times[best]:6.1f} us {gbps[best]:5.0f} GB/s ({100 * gbps[best] / copy_bw:3.0f}% of copy) "
+                  f"{best}", flush=True)
+            print("      sweep: " + "  ".join(f"{n}={times[n]:.1f}" for n in gemv_names), flush=True)
+        weights.clear()  # free this shape's copies before the next shape's
+        torch.cuda.empty_cache()
+
+    print(f"\nus per call ({args.dtype}, weights from HBM); GB/s and % of the {copy_bw:.0f} GB/s copy "
+          f"bandwidth for gemv's best config; x = torch time / gemv (heuristic) time")
+    header = ("model", "layer", "M", "torch", "triton", "gemv", "best", "config", "GB/s", "%copy", "x torch")
+    table = []
+    for row in results:
+        t = row["times_us"]
+        gb = row["bytes"] / t[row["best"]] / 1e3
+        table.append((row["model"], row["layer"], str(row["M"]), f"{t['torch']:.1f}", f"{t['triton']:.1f}",
+                      f"{t[row['heuristic']]:.1f}", f"{t[row['best']]:.1f}", row["best"], f"{gb:.0f}",
+                      f"{100 * gb / copy_bw:.0f}", f"{t['torch'] / t[row['heuristic']]:.2f}"))
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *table)]
+    for line in (header, tuple("-" * w for w in widths), *table):
+        print("  ".join(f"{c:>{w}}" for c, w in zip(line, widths)))
+    print(f"({time.time() - t_start:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
+                           date=datetime.date.today().isoformat(), dtype=args.dtype,
+                           copy_gbps=copy_bw, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
