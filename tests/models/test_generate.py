@@ -169,3 +169,14 @@ def test_static_cache_decode_shares_one_mask_summary():
     counts = [sum(n.target is torch.ops.transfuse.attention_mask_summary.default for n in gm.graph.nodes)
               for gm in graphs]
     assert len(graphs) == 2 and counts == [1, 1], counts
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_past_the_model_positions_is_a_clear_error(family):
+    model = _lm(family).eval()
+    transfuse.optimize(model)
+    ids = torch.randint(3, 97, (1, 60))
+    with torch.no_grad(), pytest.raises(ValueError, match="max_new_tokens to at most 4"):
+        model.generate(ids, max_new_tokens=10, do_sample=False)
+    with torch.no_grad():
+        assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 64)

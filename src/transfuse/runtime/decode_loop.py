@@ -156,6 +156,7 @@ class DecodeLoop:
 
     def __call__(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
                  synced_gpus=False, streamer=None, **model_kwargs):
+        _check_positions(model.config, input_ids.shape[-1], stopping_criteria.max_length)
         reason = self.unsupported(logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                                   model_kwargs)
         if reason is not None:
@@ -343,6 +344,17 @@ class DecodeLoop:
         for reason, n in self.left_to_hf.most_common():
             text += f"\n    left to Hugging Face's loop x{n}: {reason}"
         return text
+
+
+def _check_positions(config, prompt_len: int, max_length: int | None) -> None:
+    """Positions past the model's are an index error (learned positions: GPT-2, on a GPU a
+    device-side assert that ends the process) or rotary angles the model never saw: refused."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and max_length is not None and max_length > limit:
+        raise ValueError(
+            f"transfuse: the prompt ({prompt_len} tokens) plus the tokens to generate make {max_length} positions, "
+            f"more than the model's {limit} (config.max_position_embeddings); shorten the prompt or lower "
+            f"max_new_tokens to at most {max(0, limit - prompt_len)}")
 
 
 class _Flag:
