@@ -227,7 +227,7 @@ def remove_dead_code(graph: fx.Graph) -> None:
         if not node.users and node.op in ("call_function", "call_method"):
             pure = (node.target in _PURE_METHODS if node.op == "call_method"
                     else node.target in _PURE_FUNCTIONS if _hashable(node.target) else False)
-            if pure or kind(node) is not None or _is_transfuse_op(node):
+            if pure or kind(node) is not None or (_is_transfuse_op(node) and not _written_by_schema(node)):
                 graph.erase_node(node)
 
 
@@ -326,6 +326,10 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or not node.args:
             continue
+        for i in _written_by_schema(node):  # an op that declares writes (transfuse.kv_cache_write)
+            arg = node.args[i] if i < len(node.args) else None
+            if isinstance(arg, fx.Node) and base.get(arg) is not None:
+                written.add(placeholders[base[arg]])
         first = node.args[0]
         root = base.get(first) if isinstance(first, fx.Node) else None
         if root is None:
@@ -335,6 +339,13 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
         elif (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target in _VIEW_FUNCTIONS:
             base[node] = root
     return written
+
+
+def _written_by_schema(node: fx.Node) -> list[int]:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 def _writes_first_arg(node: fx.Node) -> bool:
