@@ -181,3 +181,20 @@ def test_generate_past_the_model_positions_is_a_clear_error(family):
         model.generate(ids, max_new_tokens=10, do_sample=False)
     with torch.no_grad():
         assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 64)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_beam_search_matches_eager(family):
+    """Beam search is Hugging Face's loop over transfuse's forward (batch x beams rows in the
+    default static cache): the same sequences as eager."""
+    torch.manual_seed(0)
+    model = _lm(family, initializer_range=0.5).eval()
+    ids = torch.randint(3, 97, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, early_stopping=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
