@@ -230,6 +230,10 @@ def _cache_tensors(obj) -> list:
     for all the steps of a generate() call; its batch and length (dims 0 and 2) are dynamic so that
     another batch size or cache length is not another trace, its heads and head dim are not."""
     out = []
+    for name in ("self_attention_cache", "cross_attention_cache"):  # an encoder-decoder's pair (T5, BART)
+        inner = getattr(obj, name, None)
+        if inner is not None and inner is not obj:
+            out += _cache_tensors(inner)
     for layer in getattr(obj, "layers", None) or ():
         dims = (0, 2) if getattr(layer, "is_compileable", False) else None
         for name in ("keys", "values"):
