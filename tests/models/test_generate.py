@@ -231,3 +231,16 @@ def test_encoder_decoder_generate_matches_eager_with_few_traces(family):
     assert state.eager_reason is None, state.eager_reason
     traces = sum(len(b.records) for b in state.backends)
     assert traces <= 4, f"{traces} traces"
+
+
+def test_generate_inside_then_outside_inference_mode():
+    """The reused cache and the decode loop's buffers are written in place by every call: created
+    under torch.inference_mode(), they must still take a call made outside it."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    ids = torch.randint(3, 97, (1, 5))
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    transfuse.optimize(model)
+    with torch.inference_mode():
+        first = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(first, ref) and torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), ref)

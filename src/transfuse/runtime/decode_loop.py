@@ -194,7 +194,10 @@ class DecodeLoop:
         if entry is None:
             mins = sum(type(p).__name__ in _MIN_LENGTH for p in logits_processor)
             eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device) if eos_ids else None
-            entry = _Entry(_Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device), eos)
+            with torch.inference_mode(False):  # written in place by later calls, inside inference mode or not
+                buffers = _Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device)
+                eos = eos.clone() if eos is not None else None
+            entry = _Entry(buffers, eos)
             self.entries[key] = entry
             while len(self.entries) > MAX_GRAPHS:
                 self.entries.popitem(last=False)

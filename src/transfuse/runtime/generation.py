@@ -69,13 +69,15 @@ class StaticCacheReuse:
             self.reused += 1
             return cache
         length = -(-max_cache_len // LENGTH_BUCKET) * LENGTH_BUCKET
-        cache = self.prepare(cache_implementation, batch_size, length, prefill_chunk_size, model_kwargs)
-        # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
-        # a trace of its own (Dynamo guards on the layers' is_initialized).
-        shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
-        if shape is not None and hasattr(cache, "early_initialization"):
-            cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
-                                       dtype=self.model.dtype, device=self.model.device)
+        # Normal tensors even under torch.inference_mode(): a later call outside it resets them in place.
+        with torch.inference_mode(False):
+            cache = self.prepare(cache_implementation, batch_size, length, prefill_chunk_size, model_kwargs)
+            # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
+            # a trace of its own (Dynamo guards on the layers' is_initialized).
+            shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
+            if shape is not None and hasattr(cache, "early_initialization"):
+                cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
+                                           dtype=self.model.dtype, device=self.model.device)
         self.caches[key] = (cache, length)
         self.caches.move_to_end(key)
         while len(self.caches) > self.max_kept:
