@@ -49,6 +49,20 @@ SHAPES = [
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def median_us(run, reps: int, calls: int = 1) -> float:
+    """Median over `reps` runs of run() between two CUDA events, in us per call for a run() of
+    `calls` calls. Also bench_small_m.py's timer."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def graph_us(call, copies: int, reps: int) -> float:
     """Median time of one call, from replays of a CUDA graph of `call(0) .. call(copies - 1)`."""
     for i in range(copies):  # compiles, autotunes and loads every kernel outside the capture
@@ -64,16 +78,9 @@ def graph_us(call, copies: int, reps: int) -> float:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
+    us = median_us(graph.replay, reps, calls=copies)
     del graph
-    return statistics.median(times)
+    return us
 
 
 def copy_gbps(reps: int = 30) -> float:
@@ -81,15 +88,8 @@ def copy_gbps(reps: int = 30) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+    seconds = median_us(lambda: dst.copy_(src), reps) * 1e-6
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
 def torch_linear(x, w, act, r):

@@ -6,11 +6,12 @@ GEMM with several narrow tiles and K splits. Says which tile the small-row regim
 Dev tool: PYTHONPATH=src python3 bench/kernels/bench_small_m.py [--m 16]"""
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+# the sibling script's CUDA-event timer (run as a script, this folder is on sys.path)
+from bench_gemv import median_us
 from transfuse.kernels.gemm import linear_fwd
 
 SHAPES = [  # (name, N, K, activation, residual)
@@ -37,15 +38,7 @@ def graph_time_us(fn, reps=30):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times)
+    return median_us(graph.replay, reps, calls=LAYERS)
 
 
 def main():

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.linear_cases import assert_within_torch_error, problem, randn
 from transfuse.kernels import gemm as kernels
 from transfuse.kernels.gemm import ACTIVATIONS, check_linear_args, default_split_k, linear_fwd, m_bucket
 from transfuse.reference.gemm import linear_ref
@@ -14,37 +15,12 @@ from transfuse.reference.gemm import linear_ref
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3)]
 
 
-def _randn(shape, dtype, scale=1.0):
-    return (scale * torch.randn(shape, dtype=torch.float32)).to(dtype)
-
-
-def _problem(lead, K, N, activation, dtype, has_bias=True, has_residual=True):
-    """x, weight, bias, residual with outputs of order one (weights scaled by 1/sqrt(K))."""
-    rows = 2 * N if activation == "silu_mul" else N
-    x = _randn((*lead, K), dtype)
-    weight = _randn((rows, K), dtype, K**-0.5)
-    bias = _randn((rows,), dtype) if has_bias else None
-    residual = _randn((*lead, N), dtype) if has_residual else None
-    return x, weight, bias, residual
-
-
-def _assert_within_torch_error(ours, args, activation, atol):
-    """Our max error against the fp32 reference is at most twice torch's own in the same dtype."""
-    x, weight, bias, residual = args
-    gold = linear_ref(x, weight, bias, activation, residual, upcast=True)
-    same = linear_ref(x, weight, bias, activation, residual)
-    assert ours.shape == gold.shape and ours.dtype == x.dtype and ours.is_contiguous()
-    err_ours = (ours.float() - gold).abs().max().item()
-    err_torch = (same.float() - gold).abs().max().item()
-    assert err_ours <= 2 * err_torch + atol, f"err {err_ours:.3g} vs torch {err_torch:.3g} (+{atol})"
-
-
 @pytest.mark.parametrize("has_bias,has_residual", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype,atol", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_linear_every_epilogue(activation, dtype, atol, has_bias, has_residual):
-    args = _problem((37,), 40, 48, activation, dtype, has_bias, has_residual)
-    _assert_within_torch_error(linear_fwd(*args[:3], activation, args[3]), args, activation, atol)
+    args = problem((37,), 40, 48, activation, dtype, has_bias, has_residual)
+    assert_within_torch_error(linear_fwd(*args[:3], activation, args[3]), args, activation, atol)
 
 
 @pytest.mark.parametrize("M", [1, 5, 37])
@@ -52,84 +28,84 @@ def test_linear_every_epilogue(activation, dtype, atol, has_bias, has_residual):
 @pytest.mark.parametrize("N", [24, 48])
 def test_linear_shapes(M, K, N):
     # K=16 is whole blocks (no K masks), K=40 is not; N=24 is less than one block
-    args = _problem((M,), K, N, "gelu", torch.float32)
-    _assert_within_torch_error(linear_fwd(*args[:3], "gelu", args[3]), args, "gelu", 1e-5)
+    args = problem((M,), K, N, "gelu", torch.float32)
+    assert_within_torch_error(linear_fwd(*args[:3], "gelu", args[3]), args, "gelu", 1e-5)
 
 
 @pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh"])
 def test_linear_bf16(activation):
     # The interpreter rounds fp32 -> bf16 toward zero (a GPU rounds to nearest), so our error can
     # reach one bf16 ulp where torch's is half of one: the factor 2 in the bound absorbs it.
-    args = _problem((37,), 40, 48, activation, torch.bfloat16)
-    _assert_within_torch_error(linear_fwd(*args[:3], activation, args[3]), args, activation, 1e-2)
+    args = problem((37,), 40, 48, activation, torch.bfloat16)
+    assert_within_torch_error(linear_fwd(*args[:3], activation, args[3]), args, activation, 1e-2)
 
 
 @pytest.mark.parametrize("activation", ["none", "silu_mul"])
 def test_linear_3d_input(activation):
-    args = _problem((2, 7), 40, 24, activation, torch.float16)
+    args = problem((2, 7), 40, 24, activation, torch.float16)
     out = linear_fwd(*args[:3], activation, args[3])
     assert out.shape == (2, 7, 24)
-    _assert_within_torch_error(out, args, activation, 1e-3)
+    assert_within_torch_error(out, args, activation, 1e-3)
 
 
 def test_linear_strided_x_and_residual():
     # x: the middle third of a fused (B, S, 3*K) QKV output (row stride 3K, not K); residual: a
     # (S, B, N) tensor transposed to (B, S, N). Neither may be copied to be read correctly.
     B, S, K, N = 2, 9, 40, 48
-    qkv = _randn((B, S, 3 * K), torch.float32)
+    qkv = randn((B, S, 3 * K), torch.float32)
     x = qkv[..., K:2 * K]
-    residual = _randn((S, B, N), torch.float32).transpose(0, 1)
-    weight, bias = _randn((N, K), torch.float32, K**-0.5), _randn((N,), torch.float32)
+    residual = randn((S, B, N), torch.float32).transpose(0, 1)
+    weight, bias = randn((N, K), torch.float32, K**-0.5), randn((N,), torch.float32)
     assert not x.is_contiguous() and not residual.is_contiguous()
     out = linear_fwd(x, weight, bias, "relu", residual)
-    _assert_within_torch_error(out, (x, weight, bias, residual), "relu", 1e-5)
+    assert_within_torch_error(out, (x, weight, bias, residual), "relu", 1e-5)
 
 
 def test_linear_leading_dims_that_do_not_collapse():
     # The first S of S+3 positions of a (B, S+3, K) buffer: batch stride (S+3)*K is not S times the
     # row stride, so no single row stride describes x and the launcher copies it.
     B, S, K, N = 2, 5, 40, 24
-    x = _randn((B, S + 3, K), torch.float32)[:, :S]
-    residual = _randn((B, S + 3, N), torch.float32)[:, 3:]
-    weight = _randn((N, K), torch.float32, K**-0.5)
+    x = randn((B, S + 3, K), torch.float32)[:, :S]
+    residual = randn((B, S + 3, N), torch.float32)[:, 3:]
+    weight = randn((N, K), torch.float32, K**-0.5)
     out = linear_fwd(x, weight, None, "none", residual)
     assert out.shape == (B, S, N)
-    _assert_within_torch_error(out, (x, weight, None, residual), "none", 1e-5)
+    assert_within_torch_error(out, (x, weight, None, residual), "none", 1e-5)
 
 
 def test_linear_non_unit_k_stride_x():
-    big = _randn((11, 80), torch.float32)
+    big = randn((11, 80), torch.float32)
     x = big[:, ::2]  # stride 2 along K: copied before the kernel reads it
-    weight = _randn((24, 40), torch.float32, 40**-0.5)
-    _assert_within_torch_error(linear_fwd(x, weight, None, "tanh", None), (x, weight, None, None), "tanh", 1e-5)
+    weight = randn((24, 40), torch.float32, 40**-0.5)
+    assert_within_torch_error(linear_fwd(x, weight, None, "tanh", None), (x, weight, None, None), "tanh", 1e-5)
 
 
 @pytest.mark.parametrize("layout", ["row_slice", "transposed"])
 def test_linear_weight_read_through_strides(layout):
     K, N = 40, 24
     if layout == "row_slice":  # rows of a bigger (fused) weight: row stride K, offset storage
-        weight = _randn((3 * N, K), torch.float32, K**-0.5)[N:2 * N]
+        weight = randn((3 * N, K), torch.float32, K**-0.5)[N:2 * N]
     else:  # (N, K) view of a (K, N) tensor: stride 1 along N
-        weight = _randn((K, N), torch.float32, K**-0.5).t()
-    x, bias = _randn((37, K), torch.float32), _randn((N,), torch.float32)
+        weight = randn((K, N), torch.float32, K**-0.5).t()
+    x, bias = randn((37, K), torch.float32), randn((N,), torch.float32)
     out = linear_fwd(x, weight, bias, "silu", None)
-    _assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-5)
+    assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-5)
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
 @pytest.mark.parametrize("activation", ["gelu", "silu_mul"])
 def test_linear_split_k(activation, split_k):
     # K=40 in 16-wide blocks: split 2 gives ranges of 32 and 8, split 3 gives 16, 16, 8
-    args = _problem((37,), 40, 48, activation, torch.float16)
+    args = problem((37,), 40, 48, activation, torch.float16)
     out = linear_fwd(*args[:3], activation, args[3], split_k=split_k)
-    _assert_within_torch_error(out, args, activation, 1e-3)
+    assert_within_torch_error(out, args, activation, 1e-3)
 
 
 def test_linear_split_k_more_splits_than_blocks():
     # K=40 has 3 blocks of 16: a fourth split has an empty K range and must contribute zeros
-    args = _problem((5,), 40, 24, "none", torch.float32)
+    args = problem((5,), 40, 24, "none", torch.float32)
     out = linear_fwd(*args[:3], "none", args[3], split_k=4)
-    _assert_within_torch_error(out, args, "none", 1e-5)
+    assert_within_torch_error(out, args, "none", 1e-5)
 
 
 @pytest.mark.parametrize("activation", ["silu_mul", "gelu"])
@@ -139,8 +115,8 @@ def test_linear_explicit_tile(tile, activation):
     # BLOCK_K=64 is larger than K=40; 64x64 on one warp is 128 accumulator values a thread, which
     # runs a non-gated epilogue in two halves (SPLIT_EPILOGUE), as 128x256 tiles do on a GPU.
     for K in (64, 40):
-        args = _problem((37,), K, 72, activation, torch.float32)
-        _assert_within_torch_error(linear_fwd(*args[:3], activation, args[3], tile=tile), args, activation, 1e-5)
+        args = problem((37,), K, 72, activation, torch.float32)
+        assert_within_torch_error(linear_fwd(*args[:3], activation, args[3], tile=tile), args, activation, 1e-5)
 
 
 def test_split_epilogue_rule():
@@ -152,13 +128,13 @@ def test_split_epilogue_rule():
 
 
 def test_linear_empty_rows():
-    x, weight, bias, _ = _problem((0,), 40, 24, "gelu", torch.float32)
+    x, weight, bias, _ = problem((0,), 40, 24, "gelu", torch.float32)
     out = linear_fwd(x, weight, bias, "gelu", None)
     assert out.shape == (0, 24)
 
 
 def test_linear_does_not_modify_inputs():
-    args = _problem((5,), 40, 24, "relu", torch.float32)
+    args = problem((5,), 40, 24, "relu", torch.float32)
     before = [t.clone() for t in args]
     linear_fwd(*args[:3], "relu", args[3])
     for a, b in zip(args, before):
@@ -166,7 +142,7 @@ def test_linear_does_not_modify_inputs():
 
 
 def test_check_linear_args_rejects():
-    x, weight, bias, residual = _problem((5,), 16, 24, "none", torch.float32)
+    x, weight, bias, residual = problem((5,), 16, 24, "none", torch.float32)
     with pytest.raises(ValueError, match="activation"):
         check_linear_args(x, weight, bias, "gelu_erf", residual)
     with pytest.raises(ValueError, match="weight"):

@@ -3,72 +3,48 @@ on CPU the kernel runs in Triton's interpreter, whose one config (BLOCK_N=16, BL
 N in {5, 40, 66} and K in {24, 100} cross every block edge (K=24: only a masked tail step; K=100:
 three whole steps and a tail of 4)."""
 
+import functools
+
 import pytest
 import torch
 
+from tests.kernels import linear_cases
+from tests.kernels.linear_cases import assert_within_torch_error, randn
 from transfuse.kernels import gemv as kernels
 from transfuse.kernels.gemm import ACTIVATIONS
 from transfuse.kernels.gemv import GEMV_M_MAX, GemvConfig, gemv_applies, gemv_bucket, gemv_fwd
-from transfuse.reference.gemm import linear_ref
 
 # dtype, atol added to twice torch's own error against the fp32 reference. bf16: the interpreter
 # rounds fp32 -> bf16 toward zero (a GPU rounds to nearest), so our error can reach one bf16 ulp
 # where torch's is half of one; the factor 2 in the bound absorbs it.
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
-
-
-def _randn(shape, dtype, scale=1.0):
-    return (scale * torch.randn(shape, dtype=torch.float32)).to(dtype)
-
-
-def _problem(lead, K, N, activation, dtype, has_bias=True, has_residual=True):
-    """x, weight, bias, residual with outputs of order one (weights scaled by 1/sqrt(K)); the
-    residual is a non-contiguous view (N first in memory), as the kernel must read it in place."""
-    rows = 2 * N if activation == "silu_mul" else N
-    x = _randn((*lead, K), dtype)
-    weight = _randn((rows, K), dtype, K**-0.5)
-    bias = _randn((rows,), dtype) if has_bias else None
-    residual = None
-    if has_residual:
-        residual = _randn((N, *lead), dtype).permute(*range(1, len(lead) + 1), 0)
-        assert not residual.is_contiguous() or residual.numel() == N
-    return x, weight, bias, residual
-
-
-def _assert_within_torch_error(ours, args, activation, atol):
-    """Our max error against the fp32 reference is at most twice torch's own in the same dtype."""
-    x, weight, bias, residual = args
-    gold = linear_ref(x, weight, bias, activation, residual, upcast=True)
-    same = linear_ref(x, weight, bias, activation, residual)
-    assert ours.shape == gold.shape and ours.dtype == x.dtype and ours.is_contiguous()
-    err_ours = (ours.float() - gold).abs().max().item()
-    err_torch = (same.float() - gold).abs().max().item()
-    assert err_ours <= 2 * err_torch + atol, f"err {err_ours:.3g} vs torch {err_torch:.3g} (+{atol})"
+# every residual a non-contiguous view (N first in memory): the kernel reads it in place
+problem = functools.partial(linear_cases.problem, strided_residual=True)
 
 
 @pytest.mark.parametrize("has_bias,has_residual", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype,atol", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gemv_every_epilogue(activation, dtype, atol, has_bias, has_residual):
-    args = _problem((3,), 100, 40, activation, dtype, has_bias, has_residual)
-    _assert_within_torch_error(gemv_fwd(*args[:3], activation, args[3]), args, activation, atol)
+    args = problem((3,), 100, 40, activation, dtype, has_bias, has_residual)
+    assert_within_torch_error(gemv_fwd(*args[:3], activation, args[3]), args, activation, atol)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("K", [24, 100])
 @pytest.mark.parametrize("N", [5, 40, 66])
 def test_gemv_shapes(M, K, N):
-    args = _problem((M,), K, N, "gelu", torch.float32)
-    _assert_within_torch_error(gemv_fwd(*args[:3], "gelu", args[3]), args, "gelu", 1e-5)
+    args = problem((M,), K, N, "gelu", torch.float32)
+    assert_within_torch_error(gemv_fwd(*args[:3], "gelu", args[3]), args, "gelu", 1e-5)
 
 
 @pytest.mark.parametrize("activation", ["none", "silu_mul"])
 @pytest.mark.parametrize("dtype,atol", DTYPES[1:], ids=["fp16", "bf16"])
 def test_gemv_leading_dims(activation, dtype, atol):
-    args = _problem((2, 3), 100, 33, activation, dtype)
+    args = problem((2, 3), 100, 33, activation, dtype)
     out = gemv_fwd(*args[:3], activation, args[3])
     assert out.shape == (2, 3, 33)
-    _assert_within_torch_error(out, args, activation, atol)
+    assert_within_torch_error(out, args, activation, atol)
 
 
 @pytest.mark.parametrize("config", [
@@ -80,25 +56,25 @@ def test_gemv_leading_dims(activation, dtype, atol):
 ])
 @pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh"])
 def test_gemv_explicit_config(config, activation):
-    args = _problem((5,), 100, 66, activation, torch.float16)
+    args = problem((5,), 100, 66, activation, torch.float16)
     out = gemv_fwd(*args[:3], activation, args[3], config=config)
-    _assert_within_torch_error(out, args, activation, 1e-3)
+    assert_within_torch_error(out, args, activation, 1e-3)
 
 
 def test_gemv_split_k_bf16_residual():
-    args = _problem((16,), 100, 40, "relu", torch.bfloat16)
+    args = problem((16,), 100, 40, "relu", torch.bfloat16)
     out = gemv_fwd(*args[:3], "relu", args[3], config=(16, 32, 2, 4))
-    _assert_within_torch_error(out, args, "relu", 1e-2)
+    assert_within_torch_error(out, args, "relu", 1e-2)
 
 
 def test_gemv_weight_row_slice():
     # rows of a bigger (fused) weight: row stride K, storage offset, read in place
     K, N = 100, 40
-    weight = _randn((3 * N, K), torch.float16, K**-0.5)[N:2 * N]
-    x, bias = _randn((3, K), torch.float16), _randn((N,), torch.float16)
+    weight = randn((3 * N, K), torch.float16, K**-0.5)[N:2 * N]
+    x, bias = randn((3, K), torch.float16), randn((N,), torch.float16)
     assert gemv_applies(x, weight)
     out = gemv_fwd(x, weight, bias, "silu", None)
-    _assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-3)
+    assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-3)
 
 
 def test_gemv_refuses_transposed_weight():
@@ -114,11 +90,11 @@ def test_gemv_refuses_transposed_weight():
 def test_gemv_strided_x():
     # x: the middle third of a fused (B, S, 3K) output, and a stride-2 view along K (copied)
     K, N = 100, 40
-    qkv = _randn((2, 3, 3 * K), torch.float32)
-    weight = _randn((N, K), torch.float32, K**-0.5)
-    for x in (qkv[..., K:2 * K], _randn((3, 2 * K), torch.float32)[:, ::2]):
+    qkv = randn((2, 3, 3 * K), torch.float32)
+    weight = randn((N, K), torch.float32, K**-0.5)
+    for x in (qkv[..., K:2 * K], randn((3, 2 * K), torch.float32)[:, ::2]):
         out = gemv_fwd(x, weight, None, "tanh", None)
-        _assert_within_torch_error(out, (x, weight, None, None), "tanh", 1e-5)
+        assert_within_torch_error(out, (x, weight, None, None), "tanh", 1e-5)
 
 
 def test_gemv_empty_rows():
@@ -127,17 +103,17 @@ def test_gemv_empty_rows():
 
 
 def test_gemv_bad_inputs():
-    x = _randn((3, 100), torch.float32)
+    x = randn((3, 100), torch.float32)
     with pytest.raises(ValueError, match=r"weight must be \(N, 100\)"):
-        gemv_fwd(x, _randn((40, 99), torch.float32))
+        gemv_fwd(x, randn((40, 99), torch.float32))
     with pytest.raises(ValueError, match="linear_fwd"):
-        gemv_fwd(_randn((GEMV_M_MAX + 1, 100), torch.float32), _randn((40, 100), torch.float32))
+        gemv_fwd(randn((GEMV_M_MAX + 1, 100), torch.float32), randn((40, 100), torch.float32))
     with pytest.raises(ValueError, match=r"contiguous\(\)"):
-        gemv_fwd(x, _randn((40, 200), torch.float32)[:, ::2])
+        gemv_fwd(x, randn((40, 200), torch.float32)[:, ::2])
     with pytest.raises(ValueError, match="silu_mul"):
-        gemv_fwd(x, _randn((41, 100), torch.float32), activation="silu_mul")
+        gemv_fwd(x, randn((41, 100), torch.float32), activation="silu_mul")
     with pytest.raises(ValueError, match="float16"):
-        gemv_fwd(x, _randn((40, 100), torch.float16))
+        gemv_fwd(x, randn((40, 100), torch.float16))
 
 
 def test_gemv_applies():

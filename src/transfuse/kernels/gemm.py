@@ -226,6 +226,23 @@ def _linear_epilogue(
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_partials(
+    acc, acc_up, offs_m, offs_n, M, N,
+    part_ptr, stride_part_split, stride_part_m, pid_k,
+    GATED: tl.constexpr,
+):
+    """A split-K program's fp32 partial sums into split pid_k's slice of the workspace, where
+    _linear_splitk_reduce_kernel reads them: the gate's (or only) partials in columns [0, N), the
+    up's in [N, 2N)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    part_ptrs = (part_ptr + pid_k.to(tl.int64) * stride_part_split
+                 + offs_m.to(tl.int64)[:, None] * stride_part_m + offs_n[None, :])
+    tl.store(part_ptrs, acc, mask=mask)
+    if GATED:
+        tl.store(part_ptrs + N, acc_up, mask=mask)
+
+
 # Unspecialised: a new row count or split (or the unsplit launch's dummy partials) must not compile
 # another kernel, which Triton's specialisation of ints on ==1 and on divisibility by 16 would do.
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K", "stride_part_split", "stride_part_m"])
@@ -313,13 +330,8 @@ def _linear_fwd_kernel(
 
     # A runtime branch, not a constexpr: split and unsplit launches share one compiled kernel.
     if SPLIT_K > 1:
-        # Partial sums stay fp32; the gate's partials occupy columns [0, N), the up's [N, 2N).
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        part_ptrs = (part_ptr + pid_k.to(tl.int64) * stride_part_split
-                     + offs_m.to(tl.int64)[:, None] * stride_part_m + offs_n[None, :])
-        tl.store(part_ptrs, acc, mask=mask)
-        if GATED:
-            tl.store(part_ptrs + N, acc_up, mask=mask)
+        # Partial sums stay fp32: the reduce kernel sums them and runs the epilogue.
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
     elif SPLIT_EPILOGUE:
         # Big accumulators (128 fp32 registers a thread) leave no room for the residual tile and
         # the activation's temporaries: ptxas spills ~400 B a thread on 128x256 with a residual.
@@ -499,6 +511,50 @@ def check_linear_args(
     return N
 
 
+class EpilogueOperands:
+    """The epilogue side of one linear launch, shared by linear_fwd and gemv.gemv_fwd: everything
+    their main kernels and the split-K reduce kernel pass for the output.
+
+    out: (M, N) contiguous; bias: (N,) or (2N,) or None; res2: (M, N) residual (any strides) or None.
+    `args` are the bias / residual / out pointers and strides in the kernels' order, `part_args` the
+    fp32 workspace of partial sums (split_k, M, N), or (split_k, M, 2N) for "silu_mul" (gate then
+    up), and its strides; `flags` the epilogue's constexprs. `reduce()` sums the partials and runs
+    the epilogue when split_k > 1 (a main kernel does it itself otherwise).
+    """
+
+    def __init__(self, out: torch.Tensor, bias: torch.Tensor | None, res2: torch.Tensor | None,
+                 activation: str, split_k: int):
+        self.out, self.split_k = out, split_k
+        M, N = out.shape
+        # Unsplit launches get a 1-element fp32 stand-in (never written), so that the pointer's type,
+        # and with it the compiled kernel, is the same either way.
+        width = 2 * N if activation == "silu_mul" else N
+        part = torch.empty((split_k, M, width) if split_k > 1 else (1, 1, 1), device=out.device, dtype=torch.float32)
+        self.part_args = (part, part.stride(0), part.stride(1))
+        # Absent tensors are replaced by `out` (never read: HAS_BIAS / HAS_RESIDUAL are false).
+        self.args = (
+            bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
+            res2 if res2 is not None else out,
+            res2.stride(0) if res2 is not None else 0, res2.stride(1) if res2 is not None else 0,
+            out, out.stride(0),
+        )
+        self.flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None)
+
+    def reduce(self, block_m: int, block_n: int) -> None:
+        """After a split main kernel: the partials summed in split order, then the epilogue, in
+        (block_m, block_n) tiles of out. Nothing to do when unsplit."""
+        if self.split_k == 1:
+            return
+        M, N = self.out.shape
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        _linear_splitk_reduce_kernel[grid](
+            *self.part_args,
+            *self.args,
+            M, N, self.split_k,
+            **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+        )
+
+
 def fixed_tile(m: int, gated: bool = False) -> tuple[int, int, int, int, int]:
     """The dependable tile of m's regime: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). One
     compiled kernel per regime and epilogue serves every row count, so a new shape compiles nothing."""
@@ -552,29 +608,15 @@ def linear_fwd(
         split_k = default_split_k(M, N, K, x.device)
     split_k = max(1, min(int(split_k), triton.cdiv(max(K, 1), 16)))
     bucket = m_bucket(M)
-    # Unsplit launches get a 1-element fp32 stand-in (never written), so that the pointer's type,
-    # and with it the compiled kernel, is the same either way.
-    part = torch.empty((split_k, M, 2 * N if gated else N) if split_k > 1 else (1, 1, 1),
-                       device=x.device, dtype=torch.float32)
-
-    # Absent tensors are replaced by `out` (never read: HAS_BIAS / HAS_RESIDUAL are false).
-    epilogue_args = (
-        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
-        res2 if res2 is not None else out,
-        res2.stride(0) if res2 is not None else 0, res2.stride(1) if res2 is not None else 0,
-        out, out.stride(0),
-    )
+    epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
     args = (
         x2, x2.stride(0),
         weight, weight.stride(0), weight.stride(1),
-        *epilogue_args,
-        part, part.stride(0), part.stride(1),
+        *epilogue.args,
+        *epilogue.part_args,
         M, N, K, split_k, bucket,
     )
-    flags = dict(
-        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        DOT_PRECISION=_dot_precision(x.dtype), GROUP_M=_GROUP_M,
-    )
+    flags = dict(**epilogue.flags, DOT_PRECISION=_dot_precision(x.dtype), GROUP_M=_GROUP_M)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
@@ -591,14 +633,5 @@ def linear_fwd(
         block_m, block_n, block_k, num_stages, num_warps = tile
         _linear_fwd_heuristic[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                     num_stages=num_stages, num_warps=num_warps)
-
-    if split_k > 1:
-        reduce_grid = (triton.cdiv(M, _REDUCE_BLOCK_M), triton.cdiv(N, _REDUCE_BLOCK_N))
-        _linear_splitk_reduce_kernel[reduce_grid](
-            part, part.stride(0), part.stride(1),
-            *epilogue_args,
-            M, N, split_k,
-            ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N,
-        )
+    epilogue.reduce(_REDUCE_BLOCK_M, _REDUCE_BLOCK_N)
     return out.view(*lead, N)

@@ -10,7 +10,8 @@
 
 Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up], out = silu(gate) * up) and
 numerics are those of `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding
-at the store. The epilogue and the split-K reduce kernel are gemm.py's own.
+at the store. The epilogue, the split-K partials' store and reduce kernel, and the launch of
+those (EpilogueOperands) are gemm.py's own.
 
 Why a second kernel: a linear of M rows reads N*K weight elements and does M*N*K multiply-adds, so
 for M ~ 1 it is bound by reading the weight from HBM once (Llama-7B's (N, K) = (4096, 11008) down
@@ -54,7 +55,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
-from transfuse.kernels.gemm import _linear_epilogue, _linear_splitk_reduce_kernel, check_linear_args
+from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials, check_linear_args
 
 GEMV_M_MAX = 16  # rows gemv_fwd takes
 GEMV_FAST_M_MAX = 2  # rows up to which it matched or beat cuBLAS on every Llama shape (see above)
@@ -248,13 +249,8 @@ def _gemv_fwd_kernel(
         acc_up = acc
 
     if SPLIT_K > 1:
-        # fp32 partials; the gate's in columns [0, N), the up's in [N, 2N) (gemm.py's reduce layout)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        part_ptrs = (part_ptr + pid_k.to(tl.int64) * stride_part_split
-                     + offs_m.to(tl.int64)[:, None] * stride_part_m + offs_n[None, :])
-        tl.store(part_ptrs, acc, mask=mask)
-        if GATED:
-            tl.store(part_ptrs + N, acc_up, mask=mask)
+        # fp32 partials in gemm.py's reduce layout; its reduce kernel runs the epilogue
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
     else:
         _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
                          res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
@@ -332,35 +328,18 @@ def gemv_fwd(
     conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device), gated)
     bucket = gemv_bucket(M)
     split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
-    # Unsplit launches get a 1-element stand-in (never written): same pointer type, same kernel.
-    part = torch.empty((split_k, M, 2 * N if gated else N) if split_k > 1 else (1, 1, 1),
-                       device=x.device, dtype=torch.float32)
-
-    # Absent tensors are replaced by `out` (never read: HAS_BIAS / HAS_RESIDUAL are false).
-    epilogue_args = (
-        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
-        res2 if res2 is not None else out,
-        res2.stride(0) if res2 is not None else 0, res2.stride(1) if res2 is not None else 0,
-        out, out.stride(0),
-    )
-    flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None)
+    epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
     grid = (triton.cdiv(N, conf.block_n), split_k)
     _gemv_fwd_kernel[grid](
         x2, x2.stride(0),
         weight, weight.stride(0),
-        *epilogue_args,
-        part, part.stride(0), part.stride(1),
+        *epilogue.args,
+        *epilogue.part_args,
         M, N, K, split_k,
-        **flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+        **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         VEC=min(conf.block_k, 16 // x.element_size()),
         num_warps=conf.num_warps, num_stages=1,
     )
-    if split_k > 1:
-        reduce_grid = (1, triton.cdiv(N, _REDUCE_BLOCK_N))
-        _linear_splitk_reduce_kernel[reduce_grid](
-            part, part.stride(0), part.stride(1),
-            *epilogue_args,
-            M, N, split_k,
-            **flags, BLOCK_M=bucket, BLOCK_N=_REDUCE_BLOCK_N,
-        )
+    # all M rows in one row block (BLOCK_M = the bucket), as the GEMV kernel's programs hold them
+    epilogue.reduce(bucket, _REDUCE_BLOCK_N)
     return out.view(*lead, N)
