@@ -213,22 +213,32 @@ def _seq2seq(family):
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_encoder_decoder_generate_matches_eager_with_few_traces(family):
-    """T5 and BART: greedy and beam search equal eager's, with padding in the encoder input; the
-    decoder's self-attention cache (inside an EncoderDecoderCache) grows without a trace per token."""
+    """T5 and BART on the default static cache (one per batch and encoder length) and the decode
+    loop: greedy across encoder lengths and lengths of output, sampling under a seed, and beam search
+    (Hugging Face's loop) equal eager's, with padding in the encoder input, in a few traces."""
     torch.manual_seed(0)
     model = _seq2seq(family).eval()
-    ids = torch.randint(3, 97, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    cases = [dict(max_new_tokens=7, do_sample=False), dict(max_new_tokens=5, num_beams=3, do_sample=False)]
+    calls = []
+    for seq, new in [(9, 7), (9, 10), (6, 7)]:
+        ids = torch.randint(3, 97, (2, seq))
+        mask = torch.ones_like(ids)
+        mask[1, seq - 3:] = 0
+        calls.append((ids, mask, dict(max_new_tokens=new, do_sample=False)))
+    ids, mask, _ = calls[0]
+    calls += [(ids, mask, dict(max_new_tokens=6, do_sample=True, top_k=10)),
+              (ids, mask, dict(max_new_tokens=5, num_beams=3, do_sample=False))]
+    refs = []
     with torch.no_grad():
-        refs = [model.generate(ids, attention_mask=mask, **c) for c in cases]
+        for ids, mask, kwargs in calls:
+            torch.manual_seed(3)
+            refs.append(model.generate(ids, attention_mask=mask, **kwargs))
         transfuse.optimize(model)
-        outs = [model.generate(ids, attention_mask=mask, **c) for c in cases]
-    for out, ref in zip(outs, refs):
-        assert torch.equal(out, ref)
+        for (ids, mask, kwargs), ref in zip(calls, refs):
+            torch.manual_seed(3)
+            assert torch.equal(model.generate(ids, attention_mask=mask, **kwargs), ref), kwargs
     state = model._transfuse_state
     assert state.eager_reason is None, state.eager_reason
+    assert state.decode_loop.calls == 4 and not state.decode_loop.left_to_hf
     traces = sum(len(b.records) for b in state.backends)
     assert traces <= 4, f"{traces} traces"
 

@@ -94,6 +94,7 @@ class _Entry:
         self.params: AddressCheck | None = None
         self.no_graph_reason: str | None = None
         self.replays = 0
+        self.constant: dict = {}  # the model inputs that hold for the whole call, at fixed addresses
 
 
 class DecodeLoop:
@@ -140,10 +141,15 @@ class DecodeLoop:
         for key in _REFUSED_INPUTS:
             if model_kwargs.get(key) is not None:
                 return f"{key} (an input that changes every token)"
-        if model_kwargs.get("attention_mask") is None or model_kwargs["attention_mask"].dim() != 2:
-            return "no 2-D attention mask"
-        if model_kwargs.get("position_ids") is not None and model_kwargs["position_ids"].dim() != 2:
-            return "position ids that are not 2-D"
+        if self.model.config.is_encoder_decoder:
+            for key in ("decoder_attention_mask", "decoder_position_ids", "decoder_inputs_embeds"):
+                if model_kwargs.get(key) is not None:
+                    return f"{key} (an input that changes every token)"
+        else:
+            if model_kwargs.get("attention_mask") is None or model_kwargs["attention_mask"].dim() != 2:
+                return "no 2-D attention mask"
+            if model_kwargs.get("position_ids") is not None and model_kwargs["position_ids"].dim() != 2:
+                return "position ids that are not 2-D"
         for p in logits_processor:
             if type(p).__name__ not in _SCORE_ONLY + _MIN_LENGTH:
                 return f"logits processor {type(p).__name__}"
@@ -167,9 +173,10 @@ class DecodeLoop:
         return self._generate(input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     def _generate(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
         model = self.model
+        seq2seq = bool(model.config.is_encoder_decoder)
         batch, prompt_len = input_ids.shape
         max_new = stopping_criteria.max_length - prompt_len
         cache = model_kwargs["past_key_values"]
@@ -178,18 +185,18 @@ class DecodeLoop:
         exact_stop = bool(generation_config.return_dict_in_generate)  # the cache is returned: no extra steps
 
         outputs = model._prefill(input_ids, generation_config, model_kwargs)
-        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=seq2seq)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
         del outputs
 
         # The 2-D mask is indexed by absolute position (a sliding-window layer's cache is shorter
         # than the sequence): as long as the cache's longest layer and every position generated.
-        length = max(cache.get_max_length(), _round_up(stopping_criteria.max_length))
-        constant = {k: v for k, v in model_kwargs.items() if k not in _PER_STEP}
+        # (An encoder-decoder's decoder has no 2-D mask: its "attention_mask" is the encoder's, constant.)
+        length = 1 if seq2seq else max(cache.get_max_length(), _round_up(stopping_criteria.max_length))
+        per_step = ("past_key_values",) if seq2seq else _PER_STEP
+        constant = {k: v for k, v in model_kwargs.items() if k not in per_step}
         key = (batch, id(cache), length, _round_up(max_new), do_sample, tuple(eos_ids),
-               tuple(_describe_processor(p) for p in logits_processor),
-               tuple(sorted((k, repr(v) if not isinstance(v, torch.Tensor) else ("tensor", v.shape, v.dtype))
-                            for k, v in constant.items())))
+               tuple(_describe_processor(p) for p in logits_processor), _signature(constant))
         entry = self.entries.get(key)
         if entry is None:
             mins = sum(type(p).__name__ in _MIN_LENGTH for p in logits_processor)
@@ -198,25 +205,30 @@ class DecodeLoop:
                 buffers = _Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device)
                 eos = eos.clone() if eos is not None else None
             entry = _Entry(buffers, eos)
+            with torch.inference_mode(False):
+                entry.constant = _static_copy(constant)  # per-call tensors (encoder states) at fixed addresses
             self.entries[key] = entry
             while len(self.entries) > MAX_GRAPHS:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
         b = entry.buffers
-        self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len)
+        _copy_into(entry.constant, constant)
+        constant = entry.constant
+        self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len, seq2seq)
 
         def choose(logits):
             self._choose(logits, b, entry.eos, logits_processor, do_sample)
 
         def step():
+            per_token = {} if seq2seq else dict(attention_mask=b.mask, position_ids=b.positions)
             inputs = model.prepare_inputs_for_generation(
-                b.tokens, next_sequence_length=1, attention_mask=b.mask, position_ids=b.positions,
-                past_key_values=cache, **constant)
+                b.tokens, next_sequence_length=1, past_key_values=cache, **per_token, **constant)
             out = model(**inputs, return_dict=True)
             choose(out.logits[:, -1].to(dtype=torch.float32))
-            b.mask.index_fill_(1, b.column, 1)
-            b.column.add_(1)
-            b.positions.add_(1)
+            if not seq2seq:
+                b.mask.index_fill_(1, b.column, 1)
+                b.column.add_(1)
+                b.positions.add_(1)
 
         choose(logits)  # the prefill's token
         chosen = 1
@@ -240,22 +252,25 @@ class DecodeLoop:
         self.steps_discarded += chosen - used
         sequences = torch.cat([input_ids, b.out[:, :used]], dim=-1)
         if generation_config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=model_kwargs["past_key_values"])
+            output = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
+            return output(sequences=sequences, past_key_values=model_kwargs["past_key_values"])
         return sequences
 
     # ---------------------------------------------------------------------------------------------
 
-    def _reset(self, b: _Buffers, entry: _Entry, model_kwargs, logits_processor, generation_config, prompt_len):
-        mask = model_kwargs["attention_mask"]  # prompt + the prefill's token
-        n = mask.shape[1]
-        b.mask.zero_()
-        b.mask[:, :n].copy_(mask)
-        b.column.fill_(n)
-        positions = model_kwargs.get("position_ids")
-        if positions is not None:
-            b.positions.copy_(positions[:, -1:])
-        else:  # the model derives positions from the cache; they are not read
-            b.positions.fill_(n - 1)
+    def _reset(self, b: _Buffers, entry: _Entry, model_kwargs, logits_processor, generation_config, prompt_len,
+               seq2seq: bool):
+        if not seq2seq:
+            mask = model_kwargs["attention_mask"]  # prompt + the prefill's token
+            n = mask.shape[1]
+            b.mask.zero_()
+            b.mask[:, :n].copy_(mask)
+            b.column.fill_(n)
+            positions = model_kwargs.get("position_ids")
+            if positions is not None:
+                b.positions.copy_(positions[:, -1:])
+            else:  # the model derives positions from the cache; they are not read
+                b.positions.fill_(n - 1)
         b.step.zero_()
         b.cur_len.fill_(prompt_len)
         b.out.zero_()
@@ -349,9 +364,47 @@ class DecodeLoop:
         return text
 
 
+def _signature(value):
+    """What a captured step depends on in a constant model input: shapes and dtypes of tensors, the
+    values of everything else (a new value, a new graph)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device)
+    if isinstance(value, dict):  # also Hugging Face's ModelOutput (encoder_outputs)
+        return (type(value).__name__, tuple((k, _signature(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v) for v in value))
+    return repr(value)
+
+
+def _static_copy(value):
+    """The same structure with every tensor replaced by a new one of its shape and strides."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    if isinstance(value, dict):
+        return type(value)(**{k: _static_copy(v) for k, v in value.items()}) if type(value) is not dict \
+            else {k: _static_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_static_copy(v) for v in value)
+    return value
+
+
+def _copy_into(static, value) -> None:
+    """This call's tensors into the entry's (same structure: equal _signature)."""
+    if isinstance(value, torch.Tensor):
+        static.copy_(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _copy_into(static[k], v)
+    elif isinstance(value, (list, tuple)):
+        for s_, v in zip(static, value):
+            _copy_into(s_, v)
+
+
 def _check_positions(config, prompt_len: int, max_length: int | None) -> None:
     """Positions past the model's are an index error (learned positions: GPT-2, on a GPU a
     device-side assert that ends the process) or rotary angles the model never saw: refused."""
+    if hasattr(config, "relative_attention_num_buckets"):
+        return  # relative positions (T5): no table to run past
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if isinstance(limit, int) and max_length is not None and max_length > limit:
         raise ValueError(

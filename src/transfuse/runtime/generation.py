@@ -5,7 +5,9 @@ for it. A static cache has one shape for every step, and the steps write it in p
 step replays as one CUDA graph. When the user names no cache (`generation_config.cache_implementation`
 is None and no cache is passed), optimize() makes generate() use Hugging Face's StaticCache; a
 cache the user passes, a `cache_implementation` they set, use_cache=False or
-`optimize(model, static_cache=False)` leaves Hugging Face's behaviour alone.
+`optimize(model, static_cache=False)` leaves Hugging Face's behaviour alone. Encoder-decoders (T5,
+BART) get Hugging Face's EncoderDecoderCache of two static caches, the cross-attention one exactly
+the encoder's length (so one cache per batch and encoder length).
 
 Hugging Face builds a new StaticCache in every generate() call; new tensors would mean a new capture
 of the decode graph per call (its addresses are baked in). `StaticCacheReuse` keeps one cache per
@@ -37,8 +39,6 @@ def supports_default_static_cache(model: torch.nn.Module) -> str | None:
     generation = getattr(model, "generation_config", None)
     if generation is None or not hasattr(model, "generate"):
         return "not a generation model"
-    if getattr(model.config, "is_encoder_decoder", False):
-        return "encoder-decoder models keep Hugging Face's default cache"
     if not getattr(model, "_can_compile_fullgraph", False):
         return "the model does not declare static-cache support (_can_compile_fullgraph)"
     prepare = getattr(model, _PREPARE, None)
@@ -61,7 +61,11 @@ class StaticCacheReuse:
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
             return self.prepare(cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs)
-        key = (batch_size, self.model.dtype, self.model.device)
+        # An encoder-decoder's cross-attention cache is exactly the encoder's length (HF sizes it so):
+        # one cache per encoder length.
+        encoder = model_kwargs.get("encoder_outputs") if self.model.config.is_encoder_decoder else None
+        cross = encoder[0].shape[1] if encoder is not None else None
+        key = (batch_size, self.model.dtype, self.model.device, cross)
         cache, length = self.caches.get(key, (None, 0))
         if cache is not None and length >= max_cache_len:
             cache.reset()  # zeroes the tensors in place: same addresses, same graphs
@@ -74,7 +78,8 @@ class StaticCacheReuse:
             cache = self.prepare(cache_implementation, batch_size, length, prefill_chunk_size, model_kwargs)
             # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
             # a trace of its own (Dynamo guards on the layers' is_initialized).
-            shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
+            # (Not an encoder-decoder's: its head dim need not be hidden / heads, as T5 v1.1 shows.)
+            shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)() if cross is None else None
             if shape is not None and hasattr(cache, "early_initialization"):
                 cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
                                            dtype=self.model.dtype, device=self.model.device)
@@ -86,7 +91,8 @@ class StaticCacheReuse:
         return cache
 
     def describe(self) -> str:
-        sizes = ", ".join(f"batch {b} x {n} positions" for (b, _, _), (_, n) in self.caches.items())
+        sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
+                          for (b, _, _, c), (_, n) in self.caches.items())
         return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
 
 
