@@ -258,3 +258,18 @@ def test_demo_on_cpu(capsys):
     assert rc == 0, out.out + out.err
     assert "max abs error vs eager" in out.out
     assert math.isfinite(float(out.out.split("max abs error vs eager: ")[1].split()[0]))
+
+
+def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys):
+    """`transfuse bench --model t5-base` at the tiny geometry: greedy and beam search for each
+    provider, transfuse's tokens equal eager's (fp32), results written."""
+    argv = ["--model", "seq2seq-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
+            "--batches", "2", "--searches", "greedy,beam2", "--input", "7", "--new-tokens", "4", "--iters", "1",
+            "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| transfuse | greedy | 2 |" in text and "| transfuse | beam2 | 2 |" in text
+    (path,) = tmp_path.glob("*-cpu-tiny.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["eager", "transfuse"] and not any("error" in r for r in rows)
+    assert all(p["tokens_equal"] == 1.0 for r in rows for p in r["points"])

@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, str] = {
     "llama-7b": "transfuse.bench.decoder",
     "gpt2": "transfuse.bench.decoder",
     "decoder-tiny": "transfuse.bench.decoder",
+    # encoder-decoder generate(): T5, BART geometries (random weights), tiny for CPU smoke runs
+    "t5-base": "transfuse.bench.seq2seq",
+    "bart-base": "transfuse.bench.seq2seq",
+    "seq2seq-tiny": "transfuse.bench.seq2seq",
 }
 DEFAULT_BENCHMARK = "encoder"
 DEFAULT_OUT = os.path.join("bench", "results")

@@ -100,6 +100,45 @@ def _generate(model, provider: str) -> Callable:
     return call
 
 
+def fresh_copy(master: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A provider's own copy of the model, after the previous provider's compiled code and memory are gone."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return copy.deepcopy(master).to(device=device, dtype=dtype)
+
+
+def each_provider(providers: str, master: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                  measure: Callable[[str, torch.nn.Module, dict], None]) -> list[dict]:
+    """One row per provider ("eager", "static" or "transfuse*", comma-separated): measure(provider,
+    model, row) on the provider's own copy (optimized for transfuse*); an error ends that row only."""
+    rows = []
+    for provider in [p for p in providers.split(",") if p]:
+        model = fresh_copy(master, device, dtype)
+        row: dict[str, Any] = {"provider": provider, "points": []}
+        try:
+            if provider.startswith("transfuse"):
+                import transfuse
+
+                transfuse.optimize(model)
+            elif provider not in ("eager", "static"):
+                raise ValueError(f"unknown provider {provider!r}")
+            measure(provider, model, row)
+        except Exception as e:  # noqa: BLE001 - one provider failing must not end the run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+        del model
+    return rows
+
+
+def run_metadata(device: torch.device) -> dict[str, Any]:
+    return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -133,56 +172,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         copy_gbps = measure_copy_gbps(device=device)
     gen = torch.Generator().manual_seed(0)
     vocab = master.config.vocab_size
-    rows = []
-    for provider in [p for p in args.providers.split(",") if p]:
-        torch._dynamo.reset()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        model = copy.deepcopy(master).to(device=device, dtype=dtype)
-        row: dict[str, Any] = {"provider": provider, "points": [], "ttft": []}
-        try:
-            if provider.startswith("transfuse"):
-                import transfuse
+    def measure(provider: str, model: torch.nn.Module, row: dict) -> None:
+        call = _generate(model, provider)
+        row["ttft"] = []
+        with torch.inference_mode():
+            for batch in batches:
+                ids = torch.randint(3, vocab, (batch, args.prompt), generator=gen).to(device)
+                _sync(device)
+                start = time.perf_counter()
+                call(ids, args.new_tokens)
+                _sync(device)
+                first = time.perf_counter() - start
+                total = _timed(lambda: call(ids, args.new_tokens), device, args.iters)
+                prefill = _timed(lambda: call(ids, 1), device, args.iters)
+                per_step = max(total - prefill, 1e-9) / max(args.new_tokens - 1, 1)
+                point = {"batch": batch, "first_call_s": first, "total_s": total,
+                         "tokens_per_s": batch * args.new_tokens / total,
+                         "decode_tokens_per_s": batch / per_step, "ms_per_step": per_step * 1e3}
+                point["achieved_gbps"] = step_bytes(model, batch, args.prompt + args.new_tokens / 2) / per_step / 1e9
+                row["points"].append(point)
+                print(json.dumps({"provider": provider, **point}), flush=True)
+            for prompt in ttft_prompts:
+                if prompt + 1 > limit:
+                    row["ttft"].append({"prompt": prompt, "skipped": f"beyond the model's {limit} positions"})
+                    continue
+                ids = torch.randint(3, vocab, (1, prompt), generator=gen).to(device)
+                call(ids, 1)  # a new prompt length may compile: not part of the time to first token
+                row["ttft"].append({"prompt": prompt, "ms": _timed(lambda: call(ids, 1), device, args.iters) * 1e3})
 
-                transfuse.optimize(model)
-            elif provider not in ("eager", "static"):
-                raise ValueError(f"unknown provider {provider!r}")
-            call = _generate(model, provider)
-            with torch.inference_mode():
-                for batch in batches:
-                    ids = torch.randint(3, vocab, (batch, args.prompt), generator=gen).to(device)
-                    _sync(device)
-                    start = time.perf_counter()
-                    call(ids, args.new_tokens)
-                    _sync(device)
-                    first = time.perf_counter() - start
-                    total = _timed(lambda: call(ids, args.new_tokens), device, args.iters)
-                    prefill = _timed(lambda: call(ids, 1), device, args.iters)
-                    per_step = max(total - prefill, 1e-9) / max(args.new_tokens - 1, 1)
-                    point = {"batch": batch, "first_call_s": first, "total_s": total,
-                             "tokens_per_s": batch * args.new_tokens / total,
-                             "decode_tokens_per_s": batch / per_step, "ms_per_step": per_step * 1e3}
-                    point["achieved_gbps"] = step_bytes(model, batch, args.prompt + args.new_tokens / 2) / per_step / 1e9
-                    row["points"].append(point)
-                    print(json.dumps({"provider": provider, **point}), flush=True)
-                for prompt in ttft_prompts:
-                    if prompt + 1 > limit:
-                        row["ttft"].append({"prompt": prompt, "skipped": f"beyond the model's {limit} positions"})
-                        continue
-                    ids = torch.randint(3, vocab, (1, prompt), generator=gen).to(device)
-                    call(ids, 1)  # a new prompt length may compile: not part of the time to first token
-                    row["ttft"].append({"prompt": prompt, "ms": _timed(lambda: call(ids, 1), device, args.iters) * 1e3})
-        except Exception as e:  # noqa: BLE001 - one provider failing must not end the run
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(json.dumps(row), flush=True)
-        rows.append(row)
-        del model
+    rows = each_provider(args.providers, master, device, dtype, measure)
     return {
-        "benchmark": "decoder", "geometry": geometry, "dtype": args.dtype, "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
+        "benchmark": "decoder", "geometry": geometry, "dtype": args.dtype, **run_metadata(device),
         "prompt": args.prompt, "new_tokens": args.new_tokens, "copy_gbps": copy_gbps,
         "weight_bytes": step_bytes(master.to(dtype), 1, 0), "rows": rows,
     }
@@ -213,9 +233,6 @@ def summarize(results: dict[str, Any]) -> str:
 
 
 def write_and_print(results: dict[str, Any], args: argparse.Namespace) -> None:
-    text = summarize(results)
-    if not args.no_save:
-        from transfuse.bench.report import write_text_results
+    from transfuse.bench.report import save_and_print
 
-        write_text_results(results, text, args.out, results["geometry"])
-    print(text)
+    save_and_print(results, summarize(results), args, results["geometry"])

@@ -238,9 +238,6 @@ def summarize(results: dict[str, Any]) -> str:
 
 
 def write_and_print(results: dict[str, Any], args: argparse.Namespace) -> None:
-    text = summarize(results)
-    if not args.no_save:
-        from transfuse.bench.report import write_text_results
+    from transfuse.bench.report import save_and_print
 
-        write_text_results(results, text, args.out, "dynamic")
-    print(text)
+    save_and_print(results, summarize(results), args, "dynamic")

@@ -130,6 +130,13 @@ def write_text_results(results: dict[str, Any], text: str, out_dir: str | os.Pat
     print(f"wrote {stem}.json and .md")
 
 
+def save_and_print(results: dict[str, Any], text: str, args, name: str) -> None:
+    """A benchmark with its own tables: its files (unless --no-save), then the tables."""
+    if not args.no_save:
+        write_text_results(results, text, args.out, name)
+    print(text)
+
+
 # --- tables --------------------------------------------------------------------------------------
 
 def fmt_ms(ms: float | None) -> str:
