@@ -19,6 +19,10 @@ later token of every later call. The host looks at the GPU only every CHECK_EVER
 non-blocking copy of "all rows finished", and the steps run past the end (at most a few) are cut off
 using `done`: the returned tokens are exactly those of Hugging Face's loop.
 
+Encoder-decoders (T5, BART): the decoder has no 2-D mask or position ids to advance; the inputs that
+hold for the whole call (encoder states, the encoder's mask) are copied into the key's own buffers at
+the start of each call, so the captured step reads this call's values.
+
 Prefill stays Hugging Face's (`_prefill`, through transfuse's bucketed graphs). The first call of a
 key runs one decode step eagerly (Triton compiles, GEMM choices are measured: never inside capture),
 then captures. On CPU, or without CUDA graphs, the same step runs eagerly every token.
