@@ -1,7 +1,7 @@
 """Encoder-decoder families through optimize() on the CPU (interpreter): logits equal to eager with
-padding in the encoder input, greedy and beam generate() equal to eager, and the golden number of
-matches each pass makes on the first trace (encoder and decoder of one forward). Tiny configs: 2+2
-layers, hidden 64."""
+padding in the encoder input, greedy generate() equal to eager (beam search: test_generate.py), and
+the golden number of matches each pass makes on the first trace (encoder and decoder of one
+forward). Tiny configs: 2+2 layers, hidden 64."""
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def test_family_logits_generate_and_matches(family):
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # padding in the encoder input
     decoder_ids = torch.randint(3, 97, (2, 5))
-    searches = [dict(max_new_tokens=6, do_sample=False), dict(max_new_tokens=5, num_beams=3, do_sample=False)]
+    searches = [dict(max_new_tokens=6, do_sample=False)]
     with torch.no_grad():
         ref_logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
         refs = [model.generate(ids, attention_mask=mask, **s) for s in searches]
