@@ -326,10 +326,13 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or not node.args:
             continue
-        for i in _written_by_schema(node):  # an op that declares writes (transfuse.kv_cache_write)
-            arg = node.args[i] if i < len(node.args) else None
-            if isinstance(arg, fx.Node) and base.get(arg) is not None:
-                written.add(placeholders[base[arg]])
+        declared = _written_by_schema(node)
+        if declared is not None:  # an op with a schema says which arguments it writes (kv_cache_write)
+            for i in declared:
+                arg = node.args[i] if i < len(node.args) else None
+                if isinstance(arg, fx.Node) and base.get(arg) is not None:
+                    written.add(placeholders[base[arg]])
+            continue
         first = node.args[0]
         root = base.get(first) if isinstance(first, fx.Node) else None
         if root is None:
@@ -341,10 +344,11 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
     return written
 
 
-def _written_by_schema(node: fx.Node) -> list[int]:
+def _written_by_schema(node: fx.Node) -> list[int] | None:
+    """The positions of the arguments an op's schema declares written; None for a target without one."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None:
-        return []
+        return None
     return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
@@ -354,9 +358,5 @@ def _writes_first_arg(node: fx.Node) -> bool:
         return target.endswith("_") and not target.startswith("__")
     if target in _INPLACE_OPERATORS:
         return True
-    schema = getattr(target, "_schema", None)
-    if schema is not None and schema.arguments:
-        alias = schema.arguments[0].alias_info
-        return bool(alias is not None and alias.is_write)
     name = getattr(target, "__name__", "")
     return name.endswith("_") and not name.startswith("__")

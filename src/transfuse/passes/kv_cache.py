@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import kind, tensor_meta
+from transfuse.passes.graph import node_order, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "KVCacheWrite"
@@ -58,7 +58,7 @@ def run(ctx: PassContext) -> None:
         found = _index_copy(node)
         if found is not None:
             copies.setdefault(found[1], []).append(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     for position, nodes in copies.items():
         if len(nodes) != 2:
             continue

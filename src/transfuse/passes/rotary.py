@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import kind, same_shape, shape, tensor_meta
+from transfuse.passes.graph import kind, node_order, same_shape, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "RotaryEmbedding"
@@ -125,7 +125,7 @@ def _pair_up(ctx: PassContext) -> None:
     """Two rotations with the same cos and sin (an attention's Q and K) become one launch
     (transfuse.rotary_pair), placed where both inputs exist and neither output is used yet."""
     graph = ctx.gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     waiting: dict = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.transfuse.rotary.default:

@@ -86,7 +86,6 @@ class _Buffers:
         # Per min-length processor: its threshold on cur_len and the vocabulary entries it blocks.
         self.min_len = torch.zeros(max(1, min_lengths), **long)
         self.min_len_blocked = torch.zeros(max(1, min_lengths), vocab, dtype=torch.bool, device=device)
-        self.max_new = max_new
 
 
 class _Entry:
@@ -97,7 +96,6 @@ class _Entry:
         self.backend = None  # the backend whose kernels and merged weights the graph replays
         self.params: AddressCheck | None = None
         self.no_graph_reason: str | None = None
-        self.replays = 0
         self.constant: dict = {}  # the model inputs that hold for the whole call, at fixed addresses
 
 
@@ -204,17 +202,18 @@ class DecodeLoop:
         entry = self.entries.get(key)
         if entry is None:
             mins = sum(type(p).__name__ in _MIN_LENGTH for p in logits_processor)
-            eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device) if eos_ids else None
             with torch.inference_mode(False):  # written in place by later calls, inside inference mode or not
                 buffers = _Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device)
-                eos = eos.clone() if eos is not None else None
-            entry = _Entry(buffers, eos)
-            with torch.inference_mode(False):
+                eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device) if eos_ids else None
+                entry = _Entry(buffers, eos)
                 entry.constant = _static_copy(constant)  # per-call tensors (encoder states) at fixed addresses
             self.entries[key] = entry
             while len(self.entries) > MAX_GRAPHS:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
+        if entry.graph is not None and (entry.backend is not self.state.backend
+                                        or not entry.params.same(self._params())):
+            entry.graph = None  # parameters moved or the model changed (a new backend): capture again
         b = entry.buffers
         _copy_into(entry.constant, constant)
         constant = entry.constant
@@ -321,14 +320,10 @@ class DecodeLoop:
         b.cur_len.add_(1)
 
     def _run_step(self, entry: _Entry, step) -> None:
-        if (entry.graph is not None and entry.backend is self.state.backend
-                and entry.params.same(self._params())):
+        if entry.graph is not None:  # still valid: checked at the start of the call
             entry.graph.replay()
-            entry.replays += 1
             self.steps_replayed += 1
             return
-        if entry.graph is not None:  # parameters moved or the model changed (a new backend): again
-            entry.graph = None
         step()
         self.steps_eager += 1
         if self.use_graphs and entry.no_graph_reason is None and entry.graph is None:
@@ -349,7 +344,8 @@ class DecodeLoop:
         self.state.backend.pool.graphs_captured += 1
         entry.graph = graph
         entry.backend = self.state.backend
-        entry.params = AddressCheck(self._params(), range(len(self._params())))
+        params = self._params()
+        entry.params = AddressCheck(params, range(len(params)))
 
     def _params(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]
