@@ -18,6 +18,7 @@ inserted once next to the mask and reused by every attention that reads it.
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 
@@ -46,6 +47,7 @@ from transfuse.passes.manager import PassContext
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SDPA = "TorchSDPA"
 MANUAL = "ManualAttention"
+DECODE_QUERIES = 16  # at most one block of queries: the kernel's smallest BLOCK_M
 
 
 class Reject(Exception):
@@ -53,7 +55,7 @@ class Reject(Exception):
 
 
 def run(ctx: PassContext) -> None:
-    summaries: dict[tuple, fx.Node] = {}
+    matches = []
     for node in list(ctx.gm.graph.nodes):
         k = kind(node)
         if k == "sdpa":
@@ -68,8 +70,26 @@ def run(ctx: PassContext) -> None:
         except Reject as reason:
             ctx.reject(pattern, node, str(reason))
             continue
-        _replace(ctx, spec, summaries)
+        matches.append((pattern, spec))
+    readers = collections.Counter(_mask_key(spec) for _, spec in matches)
+    summaries: dict[tuple, fx.Node] = {}
+    for pattern, spec in matches:
+        _replace(ctx, spec, summaries, summarise=_worth_a_summary(spec, readers[_mask_key(spec)]))
         ctx.matched(pattern)
+
+
+def _mask_key(spec: dict) -> tuple:
+    """The nodes a spec's mask is made of, and its query length: equal keys share one summary."""
+    return (tuple(spec["masks"]), tuple(c for _, c in spec["bool_masks"]), str(tensor_meta(spec["q"]).shape[-2]))
+
+
+def _worth_a_summary(spec: dict, readers: int) -> bool:
+    """A decode step (a few queries, a fixed number at trace time) whose mask no other layer reads
+    (T5 adds its position bias to the mask in every layer) gains nothing from a block summary: one
+    block of queries reads each mask row once anyway, and the summary is a launch of its own per
+    layer (t5-base: 24 per step, each longer than the attention it serves)."""
+    seq_q = tensor_meta(spec["q"]).shape[-2]
+    return readers > 1 or not isinstance(seq_q, int) or seq_q > DECODE_QUERIES
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,7 +324,7 @@ def _mask_summary(graph: fx.Graph, spec: dict, q: fx.Node, mask: fx.Node, seq_q,
         return graph.call_function(mask_summary_for, (first[0], first[2], mask, *sizes))
 
 
-def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
+def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = True) -> None:
     graph = ctx.gm.graph
     out: fx.Node = spec["out"]
     q_meta = tensor_meta(spec["q"])
@@ -328,7 +348,7 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict) -> None:
         if mask is not None and three_d and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
             mask = _view(graph, mask, "unsqueeze", 1)
     summary = None
-    if mask is not None:
+    if mask is not None and summarise:
         summary = _mask_summary(graph, spec, q, mask, q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2], summaries)
     with graph.inserting_before(out):
         new = graph.call_function(

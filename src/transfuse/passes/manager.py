@@ -63,12 +63,13 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import (attention, conv1d, dropout, inplace, kv_cache, linear, merge_linears, norm, rms_norm,
+    from transfuse.passes import (attention, clamp, conv1d, dropout, inplace, kv_cache, linear, merge_linears, norm, rms_norm,
                                   rotary, written_layer_norm)
 
     return [
         Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place"),
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)"),
+        Pass("clamp", clamp.run, "T5's fp16 guard, clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention"),
         Pass("rotary", rotary.run, "x * cos + rotate_half(x) * sin -> transfuse.rotary"),
         Pass("kv_cache", kv_cache.run, "a static KV cache's arange + index_copy_ pair -> transfuse.kv_cache_write"),
