@@ -8,8 +8,18 @@ stands in for it, so a graph whose sum has no other user (BERT's post-norm) save
 
 The ops take eps as given: where a model passes eps=None to F.rms_norm, the caller resolves it to
 torch.finfo(torch.float32).eps, what torch uses for fp16, bf16 and fp32 inputs alike.
-Forward only for now (no autograd formula is registered). Optional[...] rather than `X | None` in
-the signatures: it is the spelling every torch version's schema inference reads.
+Optional[...] rather than `X | None` in the signatures: it is the spelling every torch version's
+schema inference reads.
+
+Autograd: each op has a formula (register_autograd) whose backward calls
+transfuse::layer_norm_backward or transfuse::rms_norm_backward (kernels in
+transfuse.kernels.norm_backward), custom ops themselves, so that torch.compile traces each as one
+node with a fake implementation. The backward recomputes the row statistics instead of saving
+them. The add_ ops save the sum output when they return it (the row they normalised: one tensor
+to read again instead of x and residual), else x and residual; so an in-place change to the
+returned sum before the backward is an error (autograd's version check), as it is for any saved
+tensor. dx and dresidual are one tensor, ds + dsum. Grads of grads (double backward) are not
+supported: the backward ops have no autograd formula, and backpropagating through them raises.
 """
 
 from typing import Optional
@@ -17,6 +27,7 @@ from typing import Optional
 import torch
 
 from transfuse.kernels import norm as kernels
+from transfuse.kernels import norm_backward as bwd_kernels
 
 
 @torch.library.custom_op("transfuse::layer_norm", mutates_args=())
@@ -90,3 +101,169 @@ def add_rms_norm(
 def _(x, residual, weight, eps, weight_offset, cast_before_weight, store_sum):
     out_dtype = kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape if store_sum else (0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward ops: what the autograd formulas below call. Gradients not asked for (compute_* False, or
+# no parameter) come back as empty (0,) tensors, as the forward's unstored sum does: a custom op
+# returns tensors, not None.
+
+
+def _or_empty(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else like.new_empty((0,))
+
+
+@torch.library.custom_op("transfuse::layer_norm_backward", mutates_args=())
+def layer_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    dsum: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    compute_dx: bool,
+    compute_dweight: bool,
+    compute_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias) of layer_norm(x) (add_layer_norm with a residual) given dy and the sum
+    output's gradient dsum; see kernels.norm_backward.layer_norm_bwd."""
+    dx, dweight, dbias = bwd_kernels.layer_norm_bwd(
+        dy, x, weight, bias, eps, residual=residual, dsum=dsum, compute_dx=compute_dx,
+        compute_dweight=compute_dweight, compute_dbias=compute_dbias)
+    return _or_empty(dx, x), _or_empty(dweight, x), _or_empty(dbias, x)
+
+
+@layer_norm_backward.register_fake
+def _(dy, x, residual, dsum, weight, bias, eps, compute_dx, compute_dweight, compute_dbias):
+    kernels.check_layer_norm_args(x, weight, bias, residual)
+    n = x.shape[-1]
+    dx = x.new_empty(x.shape if compute_dx else (0,))
+    dweight = weight.new_empty((n,)) if compute_dweight and weight is not None else x.new_empty((0,))
+    dbias = bias.new_empty((n,)) if compute_dbias and bias is not None else x.new_empty((0,))
+    return dx, dweight, dbias
+
+
+@torch.library.custom_op("transfuse::rms_norm_backward", mutates_args=())
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    dsum: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    eps: float,
+    weight_offset: float,
+    cast_before_weight: bool,
+    compute_dx: bool,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of rms_norm(x) (add_rms_norm with a residual) given dy and the sum output's
+    gradient dsum; see kernels.norm_backward.rms_norm_bwd."""
+    dx, dweight = bwd_kernels.rms_norm_bwd(
+        dy, x, weight, eps, weight_offset, cast_before_weight, residual=residual, dsum=dsum,
+        compute_dx=compute_dx, compute_dweight=compute_dweight)
+    return _or_empty(dx, x), _or_empty(dweight, x)
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx, compute_dweight):
+    kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    dx = x.new_empty(x.shape if compute_dx else (0,))
+    dweight = weight.new_empty((x.shape[-1],)) if compute_dweight and weight is not None else x.new_empty((0,))
+    return dx, dweight
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd formulas of the forward ops. ctx.needs_input_grad follows the inputs in order; None
+# is returned for every input that needs no gradient (and for the non-tensor ones).
+
+
+def _needed(grad: torch.Tensor, needed: bool) -> Optional[torch.Tensor]:
+    return grad if needed else None
+
+
+def _save(ctx, x, residual, s, store_sum, weight, bias=None):
+    """Save what the backward re-reads: the sum s when the forward returned it, else x and
+    residual (x alone without a residual); then the parameters. All through save_for_backward, so
+    version counters catch an in-place change before the backward and saved-tensor hooks
+    (offloading, checkpointing) see every tensor."""
+    ctx.store_sum = store_sum
+    if store_sum:
+        ctx.save_for_backward(s, None, weight, bias)
+    else:
+        ctx.save_for_backward(x, residual, weight, bias)
+
+
+def _output_grad(grad: Optional[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    # None only where autograd was told not to materialise grads of unused outputs; then the
+    # output contributes nothing, which a zero gradient says.
+    return grad if grad is not None else torch.zeros_like(rows, memory_format=torch.contiguous_format)
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.eps = eps
+    _save(ctx, x, None, None, False, weight, bias)
+
+
+def _layer_norm_backward(ctx, dout):
+    x, _, weight, bias = ctx.saved_tensors
+    need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+    dx, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
+        _output_grad(dout, x), x, None, None, weight, bias, ctx.eps, need_x, need_weight, need_bias)
+    return _needed(dx, need_x), _needed(dweight, need_weight), _needed(dbias, need_bias), None
+
+
+def _add_layer_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, store_sum = inputs
+    ctx.eps = eps
+    _save(ctx, x, residual, output[1], store_sum, weight, bias)
+
+
+def _add_layer_norm_backward(ctx, dout, dsum):
+    rows, residual, weight, bias = ctx.saved_tensors
+    need_x, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
+    # without store_sum the second output is an empty stand-in: its gradient means nothing
+    dsum = dsum if ctx.store_sum else None
+    ds, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
+        _output_grad(dout, rows), rows, residual, dsum, weight, bias, ctx.eps, need_x or need_residual,
+        need_weight, need_bias)
+    # d(x + residual)/dx = d(x + residual)/dresidual = 1: both get ds
+    return (_needed(ds, need_x), _needed(ds, need_residual), _needed(dweight, need_weight),
+            _needed(dbias, need_bias), None, None)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps, weight_offset, cast_before_weight = inputs
+    ctx.args = (eps, weight_offset, cast_before_weight)
+    _save(ctx, x, None, None, False, weight)
+
+
+def _rms_norm_backward(ctx, dout):
+    x, _, weight, _ = ctx.saved_tensors
+    need_x, need_weight = ctx.needs_input_grad[:2]
+    dx, dweight = torch.ops.transfuse.rms_norm_backward(
+        _output_grad(dout, x), x, None, None, weight, *ctx.args, need_x, need_weight)
+    return _needed(dx, need_x), _needed(dweight, need_weight), None, None, None
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, weight_offset, cast_before_weight, store_sum = inputs
+    ctx.args = (eps, weight_offset, cast_before_weight)
+    _save(ctx, x, residual, output[1], store_sum, weight)
+
+
+def _add_rms_norm_backward(ctx, dout, dsum):
+    rows, residual, weight, _ = ctx.saved_tensors
+    need_x, need_residual, need_weight = ctx.needs_input_grad[:3]
+    dsum = dsum if ctx.store_sum else None
+    ds, dweight = torch.ops.transfuse.rms_norm_backward(
+        _output_grad(dout, rows), rows, residual, dsum, weight, *ctx.args, need_x or need_residual,
+        need_weight)
+    return _needed(ds, need_x), _needed(ds, need_residual), _needed(dweight, need_weight), None, None, None, None
+
+
+layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+add_layer_norm.register_autograd(_add_layer_norm_backward, setup_context=_add_layer_norm_setup_context)
+rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
