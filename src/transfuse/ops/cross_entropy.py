@@ -1,0 +1,232 @@
+"""torch.ops.transfuse.{linear_cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_backward}:
+a language model's head and loss, F.cross_entropy(F.linear(x, weight, bias).float(), target, ...),
+without the (rows, V) logits ever materialised whole. Kernels and the math:
+transfuse.kernels.cross_entropy; semantics: transfuse.reference.cross_entropy.
+
+    linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,
+        float label_smoothing, str reduction, int pad_vocab_to, int chunk_rows=0) -> Tensor
+
+x: (rows, H) in the compute dtype (fp16, bf16 or fp32: cast it first, as torch.autocast would);
+weight: (V, H) and bias: (V,) in x's dtype or fp32 (then cast to x's dtype for the matmuls, which is
+autocast's rule for F.linear, and their gradients come back in fp32); target: (rows,) int64. The loss
+is fp32: 0-dim for 'mean' and 'sum', (rows,) for 'none'. pad_vocab_to=P > 0 runs the matmuls on a
+zero-padded copy of the weight with a multiple of P rows (cuBLAS prefers N % 64 == 0); the result is
+the same. chunk_rows bounds the rows whose logits exist at once (0: sized by
+kernels.cross_entropy.LOGITS_CHUNK_BYTES).
+
+Two ways to train, one result:
+
+- linear_cross_entropy (this op) computes only the loss in its forward; its backward
+  (linear_cross_entropy_backward) recomputes the logits chunk by chunk and applies grad_output.
+  Nothing is held between forward and backward but the inputs; one GEMM more (4 instead of 3). It is
+  the only way for reduction='none', whose grad_output is per row, and costs nothing extra for
+  evaluation (no gradient GEMM in the forward).
+- linear_cross_entropy_fused returns (loss, grad_x, grad_weight, grad_bias), the gradients computed in
+  the same pass as the loss (Liger-Kernel's idea: a chunk's logits buffer is overwritten by its own
+  gradient, which is immediately multiplied into grad_x and grad_weight); its backward only scales
+  them by grad_output. 3 GEMMs, but grad_x and grad_weight are held from forward to backward.
+  'mean' and 'sum' only; needs_grad_* say which gradients to compute (the rest come back as empty
+  (0,) tensors), and its gradient outputs are not differentiable.
+
+linear_cross_entropy() below is the entry point for model code: it takes the fused op when a
+gradient will be needed and the reduction is scalar, the loss-only op otherwise, and accepts x with
+any leading dims. Double backward is not supported. Optional[...] rather than `X | None` in the
+signatures: it is the spelling every torch version's schema inference reads.
+"""
+
+from typing import Optional
+
+import torch
+
+from transfuse.kernels import cross_entropy as kernels
+
+
+def _fake_loss(x, reduction):
+    return x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+
+
+def _fake_grads(x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias):
+    grad_x = x.new_empty(x.shape) if needs_grad_x else x.new_empty((0,))
+    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else x.new_empty((0,))
+    grad_bias = bias.new_empty(bias.shape) if needs_grad_bias and bias is not None else x.new_empty((0,))
+    return grad_x, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_cross_entropy: loss in the forward, gradients recomputed in the backward
+
+
+@torch.library.custom_op("transfuse::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
+    chunk_rows: int = 0,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight, bias).float(), target, ...) in fp32, chunked over rows."""
+    loss, _, _, _ = kernels.linear_cross_entropy_fwd(
+        x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows)
+    return loss
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows=0):
+    kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                            pad_vocab_to, chunk_rows)
+    return _fake_loss(x, reduction)
+
+
+@torch.library.custom_op("transfuse::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
+    chunk_rows: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) of linear_cross_entropy for grad_output (0-dim, or (rows,)
+    for 'none'), recomputing the logits; an empty (0,) tensor for each gradient not asked for."""
+    return kernels.linear_cross_entropy_bwd(
+        grad_output, x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to,
+        chunk_rows, needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(grad_output, x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows,
+      needs_grad_x, needs_grad_weight, needs_grad_bias):
+    kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                            pad_vocab_to, chunk_rows)
+    return _fake_grads(x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+def _setup_context_recompute(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, *rest = inputs
+    ctx.save_for_backward(x, weight, bias, target)
+    ctx.args = (ignore_index, label_smoothing, reduction, pad_vocab_to, rest[0] if rest else 0)
+
+
+def _backward_recompute(ctx, grad_output):
+    x, weight, bias, target = ctx.saved_tensors
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    needs_bias = needs_bias and bias is not None
+    if not (needs_x or needs_weight or needs_bias):
+        return None, None, None, None, None, None, None, None, None
+    grad_x, grad_weight, grad_bias = torch.ops.transfuse.linear_cross_entropy_backward(
+        grad_output, x, weight, bias, target, *ctx.args, needs_x, needs_weight, needs_bias)
+    return (grad_x if needs_x else None, grad_weight if needs_weight else None, grad_bias if needs_bias else None,
+            None, None, None, None, None, None)
+
+
+linear_cross_entropy_op.register_autograd(_backward_recompute, setup_context=_setup_context_recompute)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_cross_entropy_fused: gradients in the forward, scaled in the backward
+
+
+@torch.library.custom_op("transfuse::linear_cross_entropy_fused", mutates_args=())
+def linear_cross_entropy_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
+    chunk_rows: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, d loss/dx, d loss/dweight, d loss/dbias) for reduction 'mean' or 'sum', all in one
+    chunked pass; an empty (0,) tensor for each gradient not asked for."""
+    return kernels.linear_cross_entropy_fwd(
+        x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows,
+        needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+@linear_cross_entropy_fused.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows, needs_grad_x,
+      needs_grad_weight, needs_grad_bias):
+    kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                            pad_vocab_to, chunk_rows)
+    if reduction == "none" and (needs_grad_x or needs_grad_weight or (needs_grad_bias and bias is not None)):
+        raise ValueError("transfuse linear_cross_entropy_fused: gradients need reduction 'mean' or 'sum'")
+    return (_fake_loss(x, reduction),
+            *_fake_grads(x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias))
+
+
+def _setup_context_fused(ctx, inputs, output):
+    _, grad_x, grad_weight, grad_bias = output
+    ctx.save_for_backward(grad_x, grad_weight, grad_bias)
+    ctx.computed = inputs[9:12]  # needs_grad_x, needs_grad_weight, needs_grad_bias
+    ctx.has_bias = inputs[2] is not None
+    # The gradient outputs are results, not functions of the inputs autograd could differentiate.
+    ctx.mark_non_differentiable(grad_x, grad_weight, grad_bias)
+
+
+def _backward_fused(ctx, grad_loss, *_grads_of_grads):
+    grads = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3])
+    needs[2] = needs[2] and ctx.has_bias
+    result = []
+    for name, need, computed, grad in zip(("x", "weight", "bias"), needs, ctx.computed, grads):
+        if not need:
+            result.append(None)
+            continue
+        if not computed:
+            raise RuntimeError(f"transfuse linear_cross_entropy_fused: a gradient for {name} is needed but was "
+                               f"not computed in the forward pass (needs_grad_{name}=False)")
+        # 0-dim fp32 grad_loss does not promote: the gradient keeps its input's dtype
+        result.append(grad * grad_loss)
+    return (*result, None, None, None, None, None, None, None, None, None)
+
+
+linear_cross_entropy_fused.register_autograd(_backward_fused, setup_context=_setup_context_fused)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point for model code
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    pad_vocab_to: int = 0,
+    chunk_rows: int = 0,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight, bias).float(), target, ...) for x: (..., H) and
+    target: (...) int64; 'none' returns target's shape. Gradients come from the fused op (computed
+    in the forward) when the loss is a scalar and one of x, weight, bias requires grad under grad
+    mode, from the recomputing backward for reduction='none'."""
+    hidden = x.shape[-1]
+    x_rows = x.reshape(-1, hidden)
+    target_rows = target.reshape(-1)
+    needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and any(needs) and reduction != "none":
+        loss, _, _, _ = torch.ops.transfuse.linear_cross_entropy_fused(
+            x_rows, weight, bias, target_rows, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows,
+            *needs)
+        return loss
+    loss = torch.ops.transfuse.linear_cross_entropy(
+        x_rows, weight, bias, target_rows, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows)
+    return loss.reshape(target.shape) if reduction == "none" else loss
