@@ -23,6 +23,7 @@ from typing import Sequence
 BENCHMARKS: dict[str, str] = {
     "encoder": "transfuse.bench.encoder",  # bert-base geometry forward, 4 providers x 7 shapes
     "dynamic": "transfuse.bench.dynamic",  # a stream of random shapes, warm-up included (--dynamic)
+    "train": "transfuse.bench.train",  # GPT-2 124M training iterations, nanoGPT-style and HF (--train)
     # decoder generate(): the geometry is the name (random weights), tiny for CPU smoke runs
     "llama-1.1b": "transfuse.bench.decoder",
     "llama-7b": "transfuse.bench.decoder",
@@ -87,6 +88,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--dynamic" in argv:  # `transfuse bench --dynamic` is the request-stream benchmark
         argv = [a for a in argv if a != "--dynamic"] + ["--model", "dynamic"]
+    if "--train" in argv:  # `transfuse bench --train` is the training benchmark
+        argv = [a for a in argv if a != "--train"] + ["--model", "train"]
     # Two passes: the benchmark chosen decides which options exist.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default=DEFAULT_BENCHMARK)
