@@ -8,14 +8,6 @@ import pytest
 import torch
 
 import transfuse
-from tests.models.registry import REGISTRY
-
-
-def test_training_mode_is_refused():
-    model = REGISTRY[0].build("sdpa").train()
-    with pytest.raises(transfuse.TransfuseError, match=r"model\.eval\(\)"):
-        transfuse.optimize(model)
-    assert "forward" not in model.__dict__
 
 
 def test_unsupported_dtype_is_refused():

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
 from transfuse.kernels._config import INTERPRET
-from transfuse.passes.graph import arg, kind, scalar, static_inputs, written_inputs
+from transfuse.passes.graph import static_inputs, written_inputs
 from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
@@ -69,16 +69,20 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         _check_inputs(gm, example_inputs)
         flops_before = compute_flops(gm)
-        ctx = PassContext(gm=gm, example_inputs=list(example_inputs), options=self.options)
+        # A graph traced with gradients on and a tensor that needs them is a training graph: only
+        # passes whose ops have a backward run, and it is neither replayed as CUDA graphs nor padded.
+        training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+        ctx = PassContext(gm=gm, example_inputs=list(example_inputs), options=self.options, training=training)
         run_passes(ctx, disabled=frozenset(self.options.get("disable", ())))
         merged = MergedWeights(ctx.merged_weights)
         self.merged.append(merged)
         static = sorted(static_inputs(gm).values())
-        use_graphs = self.options.get("cuda_graphs", True) and _on_cuda(example_inputs) and _graph_safe(gm, example_inputs)
+        use_graphs = (self.options.get("cuda_graphs", True) and not training and _on_cuda(example_inputs)
+                      and _graph_safe(gm, example_inputs))
         # Inputs the graph writes in place (a static KV cache): a CUDA graph must write the caller's
         # tensor itself, not a copy, so they are read in place like parameters and never padded.
         written = sorted(written_inputs(gm) - set(static))
-        padding = self.options.get("buckets", None) is not False
+        padding = self.options.get("buckets", None) is not False and not training
         plan = plan_padding(gm) if padding and not written else None
         if padding and written:
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -101,6 +105,7 @@ class Backend:
             flops_transfuse=compute_flops(gm, transfuse_only=True),
             cuda_graphs=use_graphs,
             nodes=len(gm.graph.nodes),
+            training=training,
         )
         self.records.append(record)
         self.graphs.append(gm)
@@ -131,6 +136,8 @@ class Backend:
                         raise StaleGraph("a parameter changed dtype, device or shape since this graph was compiled")
                 merged.refresh(args)  # a replaced member of a merged weight is copied in and re-pointed
                 addresses.reset(args)
+            if training:
+                return runner(*args)  # autograd records through the graph's ops (ours have backward formulas)
             with torch.no_grad():
                 return runner(*args)
 
@@ -172,9 +179,6 @@ def check_device(tensors) -> None:
 
 def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
     check_device(example_inputs)
-    for node in gm.graph.nodes:
-        if kind(node) == "dropout" and arg(node, 2, "training", True) is True and scalar(arg(node, 1, "p", 0.5)) != 0.0:
-            raise TransfuseError("transfuse: the model is in training mode; call model.eval() first (training is not supported yet)")
 
 
 torch._dynamo.register_backend(transfuse_backend, name="transfuse")

@@ -25,7 +25,6 @@ try:
 except ImportError:  # pragma: no cover - older torch
     _SIZE_OBLIVIOUS = None
 _STATE = "_transfuse_state"
-_TRAINING = "transfuse: the model is in training mode; call model.eval() first (training is not supported yet)"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -86,8 +85,6 @@ def _graph_breaks() -> int:
 def _check_model(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TransfuseError(f"transfuse.optimize expects a torch.nn.Module, got {type(model).__name__}")
-    if model.training:
-        raise TransfuseError(_TRAINING)
     check_device(list(model.parameters()) + list(model.buffers()))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     unsupported = dtypes - set(SUPPORTED_DTYPES)
@@ -159,8 +156,6 @@ def optimize(
             return original(*args, **kwargs)
         if dynamic:
             _mark_dynamic(args, kwargs)
-        if model.training:
-            raise TransfuseError(_TRAINING)
         if watch is not None and watch.changed():
             # A module of the model changed (guards.py): a fresh backend is a new Dynamo cache entry.
             state.compile()

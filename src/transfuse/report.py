@@ -21,6 +21,7 @@ class GraphRecord:
     flops_transfuse: float
     cuda_graphs: bool
     nodes: int
+    training: bool = False  # traced with gradients: the forward of a training step
 
     def summary(self) -> str:
         share = self.flops_transfuse / self.flops_total if self.flops_total else 0.0
@@ -57,7 +58,7 @@ def node_flops(node: fx.Node) -> float:
         if out is None or a is None:
             return 0.0
         return 2.0 * _numel(out) * _dims(a)[-1]
-    if kind(node) == "sdpa" or target.startswith("transfuse.attention.default"):
+    if kind(node) == "sdpa" or target.startswith(("transfuse.attention.default", "transfuse.attention_train.default")):
         q, k = tensor_meta(node.args[0]), tensor_meta(node.args[1])
         if q is None or k is None:
             return 0.0
@@ -95,6 +96,9 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
     ours = sum(r.flops_transfuse for r in records)
     if total:
         lines.append(f"  matmul/attention FLOPs in transfuse kernels: {ours / total:.1%}")
+    trained = sum(r.training for r in records)
+    if trained:
+        lines.append(f"  training graphs: {trained} (gradients flow through every rewritten op; no CUDA graphs, no padding)")
     on_gpu = any(r.cuda_graphs for r in records)
     lines.append(f"  CUDA graphs: {'on' if on_gpu else 'off (CPU or disabled)'}")
     if pool is not None and pool.graphs_captured:

@@ -89,3 +89,25 @@ def test_rotary_pair_opcheck():
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
     cos, sin = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
     torch.library.opcheck(torch.ops.transfuse.rotary_pair.default, (q, k, cos, sin))
+
+
+def test_rotary_gradients_equal_the_reference():
+    """Backward is the kernel on dy with -(sin, halves swapped); cos/sin get gradients as well (their
+    halves differ here, so the general formula is what passes)."""
+
+    x = torch.randn(2, 3, 5, 8, requires_grad=True)
+    k = torch.randn(2, 1, 5, 8, requires_grad=True)
+    angle = torch.randn(1, 1, 5, 4)
+    cos = torch.cat([angle.cos(), angle.cos() * 0.7], -1).requires_grad_()
+    sin = torch.cat([angle.sin(), angle.sin() + 0.3], -1).requires_grad_()
+    dq, dk = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    q_out, k_out = torch.ops.transfuse.rotary_pair(x, k, cos, sin)
+    ours = torch.autograd.grad((q_out * dq).sum() + (k_out * dk).sum(), (x, k, cos, sin))
+    ref = torch.autograd.grad((rotary_ref(x, cos, sin) * dq).sum() + (rotary_ref(k, cos, sin) * dk).sum(), (x, k, cos, sin))
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    single = torch.autograd.grad((torch.ops.transfuse.rotary(x, cos, sin) * dq).sum(), (x, cos, sin))
+    single_ref = torch.autograd.grad((rotary_ref(x, cos, sin) * dq).sum(), (x, cos, sin))
+    for a, b in zip(single, single_ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.transfuse.rotary_pair.default, (x, k, cos, sin))

@@ -230,3 +230,71 @@ def linear_cross_entropy(
     loss = torch.ops.transfuse.linear_cross_entropy(
         x_rows, weight, bias, target_rows, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows)
     return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-entropy over logits that exist anyway (a model that returns them next to its loss).
+
+
+@torch.library.custom_op("transfuse::cross_entropy", mutates_args=())
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                  reduction: str) -> torch.Tensor:
+    """F.cross_entropy(logits.float(), target, ...) for logits (rows, V) of any float dtype, computed in
+    fp32 without an fp32 copy. The loss is fp32: 0-dim for mean/sum, (rows,) for none."""
+    rows = kernels.cross_entropy_fwd_inplace_grad(_unit_stride(logits), target, logits.shape[1], ignore_index,
+                                                  label_smoothing, None)
+    return _reduce(rows, target, ignore_index, reduction)
+
+
+def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def _reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    # torch's mean over the rows not ignored: 0 / 0 = NaN when every row is ignored, as torch gives.
+    return rows.sum() / (target != ignore_index).sum()
+
+
+@cross_entropy.register_fake
+def _(logits, target, ignore_index, label_smoothing, reduction):
+    if reduction not in kernels.REDUCTIONS:
+        raise ValueError(f"transfuse cross_entropy: reduction must be one of {kernels.REDUCTIONS}, got {reduction!r}")
+    return logits.new_empty((logits.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+
+
+@torch.library.custom_op("transfuse::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(grad_output: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                           label_smoothing: float, reduction: str) -> torch.Tensor:
+    """d loss / d logits, in the logits' dtype: the kernel recomputes the row's softmax from the saved
+    logits and writes the gradient over a copy of them (nothing but the logits is kept for backward)."""
+    grad = logits.contiguous().clone() if logits.is_contiguous() else logits.contiguous()
+    scale = grad_output.float()
+    if reduction == "mean":
+        scale = scale / (target != ignore_index).sum()
+    kernels.cross_entropy_fwd_inplace_grad(grad, target, logits.shape[1], ignore_index, label_smoothing,
+                                           scale.contiguous())
+    return grad
+
+
+@cross_entropy_backward.register_fake
+def _(grad_output, logits, target, ignore_index, label_smoothing, reduction):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, reduction = inputs
+    ctx.save_for_backward(logits, target)
+    ctx.settings = (ignore_index, label_smoothing, reduction)
+
+
+def _cross_entropy_grad(ctx, grad_output):
+    logits, target = ctx.saved_tensors
+    grad = torch.ops.transfuse.cross_entropy_backward(grad_output, logits, target, *ctx.settings)
+    return grad, None, None, None, None
+
+
+cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)

@@ -348,13 +348,17 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
         if mask is not None and three_d and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
             mask = _view(graph, mask, "unsqueeze", 1)
     summary = None
-    if mask is not None and summarise:
+    if mask is not None and summarise and not ctx.training:
         summary = _mask_summary(graph, spec, q, mask, q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2], summaries)
     with graph.inserting_before(out):
-        new = graph.call_function(
-            torch.ops.transfuse.attention.default,
-            (q, k, v, mask, summary, float(spec["scale"]), spec["is_causal"], spec["masked_rows_zero"]),
-        )
+        if ctx.training:
+            new = graph.call_function(torch.ops.transfuse.attention_train.default,
+                                      (q, k, v, _additive(graph, mask), float(spec["scale"]), spec["is_causal"]))
+        else:
+            new = graph.call_function(
+                torch.ops.transfuse.attention.default,
+                (q, k, v, mask, summary, float(spec["scale"]), spec["is_causal"], spec["masked_rows_zero"]),
+            )
         new.meta["example_value"] = out.meta.get("example_value")
         if three_d:
             new = graph.call_method("squeeze", (new, 1))
@@ -399,6 +403,16 @@ def _view(graph: fx.Graph, node: fx.Node, method: str, *args) -> fx.Node:
     if meta is not None:
         view.meta["example_value"] = getattr(meta, method)(*args)
     return view
+
+
+def _additive(graph: fx.Graph, mask: fx.Node | None) -> fx.Node | None:
+    """The training kernel reads an additive bias: a boolean "attend here" mask becomes 0 / -inf."""
+    meta = tensor_meta(mask) if mask is not None else None
+    if meta is None or meta.dtype != torch.bool:
+        return mask
+    bias = graph.call_function(torch.where, (mask, 0.0, float("-inf")))
+    bias.meta["example_value"] = torch.empty_like(meta, dtype=torch.float32)
+    return bias
 
 
 def _combined_mask(graph: fx.Graph, spec: dict) -> fx.Node | None:

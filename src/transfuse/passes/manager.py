@@ -32,6 +32,7 @@ class PassContext:
     gm: fx.GraphModule
     example_inputs: list
     options: dict
+    training: bool = False  # a training graph: only passes whose ops have a backward run
     rewrites: Counter = dataclasses.field(default_factory=Counter)
     rejections: list[Rejection] = dataclasses.field(default_factory=list)
     # Weight groups merged into one buffer: the runtime keeps them current (see runtime/weights.py).
@@ -59,25 +60,27 @@ class Pass:
     name: str
     run: Callable[[PassContext], None]
     doc: str
+    trains: bool = False  # its ops have backward formulas (it may run on a training graph)
 
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import (attention, clamp, conv1d, dropout, inplace, kv_cache, linear, merge_linears, norm, rms_norm,
+    from transfuse.passes import (attention, clamp, conv1d, cross_entropy, dropout, inplace, kv_cache, linear, merge_linears, norm, rms_norm,
                                   rotary, written_layer_norm)
 
     return [
-        Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place"),
-        Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)"),
+        Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place", trains=True),
+        Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)", trains=True),
         Pass("clamp", clamp.run, "T5's fp16 guard, clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf"),
-        Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention"),
-        Pass("rotary", rotary.run, "x * cos + rotate_half(x) * sin -> transfuse.rotary"),
+        Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention", trains=True),
+        Pass("rotary", rotary.run, "x * cos + rotate_half(x) * sin -> transfuse.rotary", trains=True),
         Pass("kv_cache", kv_cache.run, "a static KV cache's arange + index_copy_ pair -> transfuse.kv_cache_write"),
-        Pass("conv1d", conv1d.run, "Hugging Face Conv1D's addmm(bias, x, W) -> F.linear(x, W.t(), bias)"),
+        Pass("conv1d", conv1d.run, "Hugging Face Conv1D's addmm(bias, x, W) -> F.linear(x, W.t(), bias)", trains=True),
         Pass("merge_linears", merge_linears.run, "linears reading one input -> one GEMM (QKV)"),
-        Pass("norm", norm.run, "layer norm, with the residual add feeding it -> transfuse norm ops"),
-        Pass("written_layer_norm", written_layer_norm.run, "layer norm written out by hand, with its residual add -> transfuse norm ops"),
-        Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops"),
+        Pass("norm", norm.run, "layer norm, with the residual add feeding it -> transfuse norm ops", trains=True),
+        Pass("written_layer_norm", written_layer_norm.run, "layer norm written out by hand, with its residual add -> transfuse norm ops", trains=True),
+        Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops", trains=True),
+        Pass("cross_entropy", cross_entropy.run, "the LM loss (and its head when nothing else reads the logits) -> transfuse.cross_entropy", trains=True),
         Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear"),
     ]
 
@@ -85,6 +88,9 @@ def registry() -> list[Pass]:
 def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None:
     for p in registry():
         if p.name in disabled:
+            continue
+        if ctx.training and not p.trains:
+            ctx.rejections.append(Rejection(p.name, "-", "training graph: this pass has no backward yet; left to PyTorch"))
             continue
         p.run(ctx)
         remove_dead_code(ctx.gm.graph)

@@ -1,0 +1,125 @@
+"""torch.ops.transfuse.attention_train and the two ops it is made of (training: autograd registered).
+
+    attention_train(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal) -> Tensor
+    attention_train_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal)
+        -> (Tensor out, Tensor lse)
+    attention_train_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor out, Tensor lse,
+                        Tensor? grad_lse, float scale, bool is_causal, bool bias_needs_grad)
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)
+
+Shapes, the bias forms, the causal alignment (top-left, as F.scaled_dot_product_attention) and the
+numerics of fully masked rows are documented in transfuse.kernels.attention_train. No dropout.
+
+Why three ops: register_autograd's setup_context only sees an op's outputs, and the backward needs
+the log-sum-exp, so the op that carries the autograd formula, attention_train_fwd, returns
+(out, lse). attention_train, the op callers use, is CompositeImplicitAutograd: it is attention_train_fwd
+and drops lse, so autograd, fake tensors and torch.compile all go through attention_train_fwd (whose
+backward is the attention_train_bwd op: a graph node of its own under torch.compile too). lse is
+differentiable as well: its gradient folds into the backward's delta at no cost.
+
+attention_train_bwd returns an empty (0,) tensor in place of dbias unless bias_needs_grad (a schema
+cannot return None). Double backward is not supported. Optional[...] rather than `X | None` in the
+signatures: it is the spelling every torch version's schema inference reads.
+"""
+
+from typing import Optional
+
+import torch
+
+from transfuse.kernels import attention_train as kernels
+
+
+@torch.library.custom_op("transfuse::attention_train_fwd", mutates_args=())
+def attention_train_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): out (batch, nheads, seqlen_q, headdim), lse (batch, nheads, seqlen_q) fp32."""
+    return kernels.attention_train_fwd(q, k, v, bias, scale, is_causal)
+
+
+@attention_train_fwd.register_fake
+def _attention_train_fwd_fake(q, k, v, bias, scale, is_causal):
+    kernels.check_attention_train_args(q, k, v, bias)
+    return kernels.attention_train_empty_out(q)
+
+
+@torch.library.custom_op("transfuse::attention_train_bwd", mutates_args=())
+def attention_train_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    bias_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias); dbias is an empty (0,) tensor unless bias_needs_grad and bias is given."""
+    dq, dk, dv, dbias = kernels.attention_train_bwd(
+        grad_out, q, k, v, bias, out, lse, scale, is_causal, bias_needs_grad, dlse=grad_lse)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
+
+
+@attention_train_bwd.register_fake
+def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, lse, grad_lse, scale, is_causal, bias_needs_grad):
+    kernels.check_attention_train_args(q, k, v, bias)
+    dq, dk, dv, dbias = kernels.attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, scale, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, out, lse)
+    ctx.scale = scale
+    ctx.is_causal = is_causal
+    # An unused lse (the usual case) then arrives as None rather than a tensor of zeros to read.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, bias, out, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
+    bias_needs_grad = bias is not None and needs[3]
+    dq, dk, dv, dbias = torch.ops.transfuse.attention_train_bwd(
+        grad_out, q, k, v, bias, out, lse, grad_lse, ctx.scale, ctx.is_causal, bias_needs_grad)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            dbias if bias_needs_grad else None, None, None)
+
+
+attention_train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+torch.library.define(
+    "transfuse::attention_train",
+    "(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+@torch.library.impl("transfuse::attention_train", "CompositeImplicitAutograd")
+def _attention_train_composite(q, k, v, bias, scale, is_causal):
+    return torch.ops.transfuse.attention_train_fwd(q, k, v, bias, scale, is_causal)[0]
+
+
+def attention_train(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """softmax(scale * q @ k^T + bias (+ causal)) @ v, differentiable in q, k, v and bias:
+    torch.ops.transfuse.attention_train."""
+    return torch.ops.transfuse.attention_train(q, k, v, bias, scale, is_causal)

@@ -1,0 +1,105 @@
+"""`CrossEntropy` and `LinearCrossEntropy`: a language model's loss.
+
+    F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=..., label_smoothing=..., reduction=...)
+
+as nanoGPT writes it, and Hugging Face's ForCausalLMLoss (transformers/loss/loss_utils.py:
+`logits.float()`, then the same call) -> torch.ops.transfuse.cross_entropy over the logits in their
+own dtype: eager upcasts them to an fp32 copy, keeps an fp32 log-softmax for backward and writes an
+fp32 gradient (GPT-2 at 8 x 1024 tokens: 1.6 GB each); the kernel reads the half-precision logits,
+computes in fp32, and its backward rewrites one copy of them into the gradient.
+
+When nothing but the loss reads the logits (a model that does not return them), the LM-head linear
+goes into the loss too (`transfuse.ops.cross_entropy.linear_cross_entropy`): the logits are formed
+chunk by chunk and never exist whole. A vocabulary that is not a multiple of 64 is padded inside
+that op (the user's weight and its gradient keep their shape).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from transfuse.ops.cross_entropy import linear_cross_entropy
+from transfuse.passes.graph import arg, kind, single_user, tensor_meta
+from transfuse.passes.manager import PassContext
+
+PATTERN = "CrossEntropy"
+FUSED = "LinearCrossEntropy"
+VOCAB_MULTIPLE = 64
+_REDUCTIONS = ("mean", "sum", "none")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast_source(node: fx.Node) -> fx.Node:
+    """x for `x.float()` / `x.to(torch.float32)` of a half-precision x (exact: the kernel widens
+    every logit to fp32 itself), else node."""
+    if kind(node) != "to" or not node.args or not isinstance(node.args[0], fx.Node):
+        return node
+    source, out = tensor_meta(node.args[0]), tensor_meta(node)
+    if source is None or out is None or source.dtype not in _HALF or out.dtype != torch.float32:
+        return node
+    return node.args[0]
+
+
+def _settings(ce: fx.Node) -> tuple | str:
+    """(ignore_index, label_smoothing, reduction), or why the call is left alone."""
+    if arg(ce, 2, "weight") is not None:
+        return "class weights"
+    if arg(ce, 3, "size_average") is not None or arg(ce, 5, "reduce") is not None:
+        return "the deprecated size_average/reduce arguments"
+    ignore_index, reduction, smoothing = arg(ce, 4, "ignore_index", -100), arg(ce, 6, "reduction", "mean"), \
+        arg(ce, 7, "label_smoothing", 0.0)
+    if not isinstance(ignore_index, int) or reduction not in _REDUCTIONS or not isinstance(smoothing, (int, float)):
+        return "settings that are not constants"
+    return int(ignore_index), float(smoothing), reduction
+
+
+def _lm_head(logits: fx.Node, ce_input: fx.Node) -> fx.Node | None:
+    """The linear that makes the logits, when the loss is all that reads them."""
+    chain = ce_input
+    while chain is not logits:
+        if not chain.args or single_user(chain.args[0]) is not chain:
+            return None
+        chain = chain.args[0]
+    linear = logits
+    if kind(linear) in ("view", "reshape") and isinstance(linear.args[0], fx.Node) and single_user(linear.args[0]) is linear:
+        linear = linear.args[0]
+    return linear if kind(linear) == "linear" and single_user(linear) is not None else None
+
+
+def run(ctx: PassContext) -> None:
+    graph = ctx.gm.graph
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is F.cross_entropy):
+            continue
+        ce_input, target = arg(node, 0, "input"), arg(node, 1, "target")
+        logits = _upcast_source(ce_input) if isinstance(ce_input, fx.Node) else None
+        meta, target_meta = tensor_meta(logits), tensor_meta(target)
+        settings = _settings(node)
+        if isinstance(settings, str):
+            ctx.reject(PATTERN, node, settings)
+            continue
+        if meta is None or meta.dim() != 2 or not meta.dtype.is_floating_point:
+            ctx.reject(PATTERN, node, "input is not (rows, classes) floating point")
+            continue
+        if target_meta is None or target_meta.dim() != 1 or target_meta.dtype != torch.int64:
+            ctx.reject(PATTERN, node, "target is not (rows,) class indices")
+            continue
+        linear = _lm_head(logits, ce_input)
+        with graph.inserting_before(node):
+            if linear is not None:
+                x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
+                out_dtype = tensor_meta(linear).dtype
+                if tensor_meta(x).dtype != out_dtype:  # under autocast: the GEMM runs in the autocast dtype
+                    x = graph.call_method("to", (x, out_dtype))
+                vocab = tensor_meta(weight).shape[0]
+                pad = VOCAB_MULTIPLE if isinstance(vocab, int) and vocab % VOCAB_MULTIPLE else 0
+                new = graph.call_function(linear_cross_entropy, (x, weight, bias, target, *settings, pad))
+                ctx.matched(FUSED)
+            else:
+                new = graph.call_function(torch.ops.transfuse.cross_entropy.default, (logits, target, *settings))
+                ctx.matched(PATTERN)
+        new.meta["example_value"] = node.meta.get("example_value")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
