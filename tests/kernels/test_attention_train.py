@@ -5,9 +5,11 @@ gradient against the fp32 reference. Interpreter-sized tests first, then GPU tes
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import transfuse.ops.attention_train  # noqa: F401  (registers the ops)
+from transfuse.kernels import attention_train as kernels
 from transfuse.kernels._config import INTERPRET
 from transfuse.kernels.attention_train import TILE_SHAPES, attention_train_bwd, attention_train_fwd
 from transfuse.reference.attention_train import attention_train_ref
@@ -235,10 +237,11 @@ def test_strided_inputs(device):
 
     out, lse = attention_train_fwd(q, k, v, None, 0.3, False)
     out.transpose(1, 2).view(batch, seqlen, nheads * head_dim)  # a free view: raises if not
-    grad_out = torch.randn(batch, nheads, head_dim, seqlen, device=device).transpose(-1, -2)
-    ref = attention_train_bwd(grad_out.contiguous(), q, k, v, None, out, lse, 0.3, False, False)
-    dq, dk, dv, dbias = attention_train_bwd(grad_out, q, k, v, None, out, lse, 0.3, False, False)
-    assert dbias is None and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), ref[:3]))
+    for grad_out in (torch.randn(batch, seqlen, nheads, head_dim, device=device).transpose(1, 2),
+                     torch.randn(batch, nheads, head_dim, seqlen, device=device).transpose(-1, -2)):
+        ref = attention_train_bwd(grad_out.contiguous(), q, k, v, None, out, lse, 0.3, False, False)
+        dq, dk, dv, dbias = attention_train_bwd(grad_out, q, k, v, None, out, lse, 0.3, False, False)
+        assert dbias is None and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), ref[:3]))
 
     # A q laid out as (batch, seqlen, nheads, headdim) (a dense view) gets a dq of that layout.
     q3 = torch.randn(batch, seqlen, nheads, head_dim, device=device).transpose(1, 2)
@@ -258,6 +261,32 @@ def test_every_gpu_tile_shape(blocks, device):
     out, lse = attention_train_fwd(q, k, v, bias, 0.25, True, blocks=blocks)
     grads = attention_train_bwd(grad_out, q, k, v, bias, out, lse, 0.25, True, True, blocks=blocks)
     _assert_close_fp32((out, lse, *grads), ref)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_gpu_config_prune(kernel):
+    """keep() offers the autotuner only tiles of its table (never a no-bias tile with a bias), none
+    larger than the bucketed sequence, and at least one for any sequence."""
+    tiles = sorted({t[:4] for by_dim in kernels._TILES[kernel].values() for ts in by_dim.values() for t in ts})
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+    keep = kernels._keep(kernel)
+    for dtype, block_d, has_bias, bucket_q, bucket_k in [
+        (torch.float16, 64, False, 1024, 1024), (torch.bfloat16, 128, True, 1024, 1024),
+        (torch.float16, 256, True, 16384, 512), (torch.float32, 128, False, 256, 256),
+        (torch.float16, 64, True, 16, 16), (torch.float16, 128, False, 1024, 32),
+    ]:
+        named = {"q_ptr": torch.empty(0, dtype=dtype), "seqlen_q_bucket": bucket_q, "seqlen_k_bucket": bucket_k}
+        kept = keep(configs, named, BLOCK_D=block_d, HAS_BIAS=has_bias)
+        assert kept
+        allowed = kernels._allowed_tiles(kernel, dtype == torch.float32, block_d, has_bias)
+        shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+        assert all(t in allowed for t in shapes)
+        fitting = [t for t in allowed if t[0] <= bucket_q and t[1] <= bucket_k]
+        assert sorted(shapes) == sorted(fitting) if fitting else len(shapes) == 1
+        if has_bias:
+            by_dim = kernels._TILES[kernel]["fp32" if dtype == torch.float32 else "16bit"]
+            no_bias = {t[:4] for t in by_dim[min(d for d in by_dim if d >= block_d)] if len(t) > 4}
+            assert not no_bias & set(shapes)
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -324,46 +353,53 @@ def test_bad_arguments(device):
         attention_train_fwd(q, k, v, torch.zeros(3, 9, device=device), 0.25, False)
     with pytest.raises(ValueError):
         attention_train_fwd(*_qkv(1, 2, 2, 9, 9, 320, torch.float32, device), None, 0.25, False)
+    with pytest.raises(ValueError):  # the unmasked blocks scale the row maximum: scale >= 0 only
+        attention_train_fwd(q, k, v, None, -0.25, False)
 
 
 # ---- GPU, real sizes -------------------------------------------------------------------------------
 
 GPU_ATOL = {torch.float16: 1e-3, torch.bfloat16: 2e-3}
+FP16, BF16 = torch.float16, torch.bfloat16
 
+# Each case compiles and autotunes three kernels for its (dtype, head dim, flags): both dtypes are
+# covered per head dim where it matters, not the whole cross product.
 GPU_CASES = [
-    # batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal
-    (2, 12, 12, 1024, 1024, 64, True),
-    (2, 12, 12, 1024, 1024, 64, False),
-    (2, 12, 12, 257, 257, 80, False),
-    (2, 12, 12, 257, 257, 128, True),
-    (2, 12, 4, 1024, 1024, 128, True),     # GQA
-    (2, 12, 1, 257, 1024, 64, False),      # MQA, seqlen_q != seqlen_k
-    (1, 4, 4, 512, 512, 256, True),
+    # batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal, dtype
+    (2, 12, 12, 1024, 1024, 64, True, FP16),
+    (2, 12, 12, 1024, 1024, 64, True, BF16),
+    (2, 12, 12, 1024, 1024, 64, False, BF16),
+    (2, 12, 12, 257, 257, 80, False, FP16),
+    (2, 12, 12, 257, 257, 80, True, BF16),
+    (2, 12, 12, 257, 257, 128, True, FP16),
+    (2, 12, 4, 1024, 1024, 128, True, BF16),    # GQA
+    (2, 12, 1, 257, 1024, 64, False, FP16),     # MQA, seqlen_q != seqlen_k
+    (1, 4, 4, 512, 512, 256, True, BF16),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
-def test_gpu_matches_reference(case, dtype):
-    batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal = case
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else "")
+                         + "-" + str(c[7])[6:])
+def test_gpu_matches_reference(case):
+    batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal, dtype = case
     q, k, v = _qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda")
     _check_low_precision(q, k, v, None, head_dim ** -0.5, is_causal, GPU_ATOL[dtype])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["t5_position_bias", "padding_inf", "full_bias"])
+@pytest.mark.parametrize("kind, dtype", [("t5_position_bias", FP16), ("t5_position_bias", BF16),
+                                         ("padding_inf", BF16), ("full_bias", FP16)])
 def test_gpu_bias(kind, dtype):
     batch, nheads, seqlen, head_dim = 2, 12, 512, 64
     q, k, v = _qkv(batch, nheads, nheads, seqlen, seqlen, head_dim, dtype, "cuda")
-    if kind == "t5_position_bias":
+    if kind == "t5_position_bias":  # (1, H, S, S), requires grad: dbias summed over the batch
         bias = torch.randn(1, nheads, seqlen, seqlen, dtype=dtype, device="cuda").requires_grad_()
-    elif kind == "padding_inf":
+    elif kind == "padding_inf":     # (B, 1, 1, S) with -inf, no grad, causal
         keep = torch.arange(seqlen, device="cuda")[None, :] < torch.tensor([seqlen, 300], device="cuda")[:, None]
         bias = torch.zeros(batch, 1, 1, seqlen, dtype=dtype, device="cuda").masked_fill(
             ~keep[:, None, None, :], NEG_INF)
-    else:
+    else:                           # (B, H, S, S), requires grad: dS stored straight into dbias
         bias = torch.randn(batch, nheads, seqlen, seqlen, dtype=dtype, device="cuda").requires_grad_()
     _check_low_precision(q, k, v, bias, head_dim ** -0.5, kind == "padding_inf", GPU_ATOL[dtype])
 

@@ -67,55 +67,84 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # ----------------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M counts query rows, BLOCK_N keys, in every kernel.
-
-_FWD_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2),
-              (32, 32, 4, 2), (16, 16, 4, 2)]
-# dK/dV: a program holds BLOCK_N keys and their dK, dV accumulators, and streams BLOCK_M queries.
-_DKDV_TILES = [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3),
-               (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)]
-# dQ: a program holds BLOCK_M queries and their dQ accumulator, and streams BLOCK_N keys.
-_DQ_TILES = [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 2)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, dtype class and head-dim class (BLOCK_D <= 64,
+# 128, 256). BLOCK_M counts query rows and BLOCK_N keys in every kernel. Each tile was compiled for
+# sm_90 (Triton 3.8, `ptxas -v`; fp16 and bf16, head dims 64/80/128/256, causal, bias with dS stores,
+# query-broadcast bias): each fits the 227 KiB of shared memory of an H100 and spills no registers,
+# or under 100 bytes (dK/dV with causal + bias + dS, padded head dims). Tiles marked _NO_BIAS spill
+# hundreds of bytes (or do not fit) with a bias and are only tried without one. The autotuner times
+# those that fit the sequence. fp32 runs its dots on FMA units ("ieee"): small tiles only.
+_NO_BIAS = "no bias"
+_TILES = {
+    "fwd": {
+        "16bit": {
+            64: [(128, 128, 8, 3, _NO_BIAS), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2),
+                 (32, 32, 4, 2)],
+            128: [(128, 64, 8, 3, _NO_BIAS), (128, 32, 8, 2), (64, 64, 4, 3, _NO_BIAS), (64, 32, 4, 2), (32, 32, 4, 2)],
+            256: [(128, 32, 8, 2, _NO_BIAS), (64, 32, 8, 2), (32, 32, 4, 2)],
+        },
+        "fp32": {64: [(32, 32, 4, 2), (16, 16, 4, 2)], 128: [(16, 32, 4, 2), (16, 16, 4, 2)], 256: [(16, 16, 4, 2)]},
+    },
+    # dK/dV: a program holds BLOCK_N keys with their dK, dV accumulators and streams BLOCK_M queries.
+    "dkdv": {
+        "16bit": {
+            64: [(32, 128, 8, 3), (64, 64, 8, 2, _NO_BIAS), (32, 64, 8, 3), (32, 64, 4, 3, _NO_BIAS), (16, 64, 4, 2),
+                 (16, 32, 4, 2)],
+            128: [(64, 32, 8, 2), (32, 64, 8, 2, _NO_BIAS), (16, 64, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2)],
+            256: [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+        },
+        # 128 and 256 spill 30-60 bytes, the least of any tile.
+        "fp32": {64: [(32, 32, 4, 2), (16, 16, 4, 2)], 128: [(16, 16, 4, 2)], 256: [(16, 16, 4, 2)]},
+    },
+    # dQ: a program holds BLOCK_M queries with their dQ accumulator and streams BLOCK_N keys.
+    "dq": {
+        "16bit": {
+            64: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)],
+            128: [(128, 64, 8, 3, _NO_BIAS), (128, 32, 8, 3), (64, 64, 4, 3, _NO_BIAS), (64, 32, 4, 2), (32, 32, 4, 2)],
+            256: [(128, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)],
+        },
+        "fp32": {64: [(32, 32, 4, 2), (16, 16, 4, 2)], 128: [(16, 32, 4, 2), (16, 16, 4, 2)], 256: [(16, 16, 4, 2)]},
+    },
+}
 
 # Under the interpreter: BLOCK_M != BLOCK_N so that the tests cross the causal diagonal unevenly.
 _INTERPRET_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
-# Every (BLOCK_M, BLOCK_N) the GPU lists hold: the tests pin each one under the interpreter.
-TILE_SHAPES = sorted({t[:2] for t in _FWD_TILES + _DKDV_TILES + _DQ_TILES})
+# Every (BLOCK_M, BLOCK_N) of the GPU tables: the tests pin each one under the interpreter.
+TILE_SHAPES = sorted({t[:2] for kernel in _TILES.values() for by_dim in kernel.values()
+                      for tiles in by_dim.values() for t in tiles})
 
 
-def _configs(tiles, kernel: str) -> list[triton.Config]:
+def _configs(kernel: str) -> list[triton.Config]:
+    """Every tile of `kernel`'s tables (keep() picks per launch), or the interpreter's one."""
+    tiles = sorted({t[:4] for by_dim in _TILES[kernel].values() for ts in by_dim.values() for t in ts}, reverse=True)
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
     bm, bn = _INTERPRET_TILES[kernel]
     return tune_configs(configs, triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1))
 
 
-def _keep(accumulator: str):
-    """early_config_prune for one kernel. `accumulator` names the tile that stays in fp32 registers
-    across the loop: "m" (BLOCK_M x BLOCK_D: out, dQ) or "n" (two BLOCK_N x BLOCK_D: dK and dV)."""
+def _allowed_tiles(kernel: str, fp32: bool, block_d: int, has_bias: bool) -> set:
+    by_dim = _TILES[kernel]["fp32" if fp32 else "16bit"]
+    tiles = by_dim[min(d for d in by_dim if d >= block_d)]
+    return {t[:4] for t in tiles if not (has_bias and _NO_BIAS in t[4:])}
+
+
+def _keep(kernel: str):
+    """early_config_prune: the tiles of the table for this dtype, head dim and bias, no larger than the
+    (bucketed) sequence; the smallest allowed one when the sequence is shorter than all of them."""
 
     def keep(configs, named_args, **kwargs):
-        block_d = kwargs["BLOCK_D"] if "BLOCK_D" in kwargs else named_args["BLOCK_D"]
+        def arg(name):
+            return kwargs[name] if name in kwargs else named_args[name]
+
+        allowed = _allowed_tiles(kernel, named_args["q_ptr"].dtype == torch.float32, arg("BLOCK_D"), arg("HAS_BIAS"))
         bucket_q, bucket_k = named_args["seqlen_q_bucket"], named_args["seqlen_k_bucket"]
-        fp32 = named_args["q_ptr"].dtype == torch.float32
-        kept = []
-        for conf in configs:
-            bm, bn, warps = conf.kwargs["BLOCK_M"], conf.kwargs["BLOCK_N"], conf.num_warps
-            # No tile larger than the (bucketed) sequence: it would compute padding.
-            if bm > max(16, bucket_q) or bn > max(16, bucket_k):
-                continue
-            # fp32 runs its dots on FMA units ("ieee"): large tiles only spill.
-            if fp32 and bm * bn > 32 * 32:
-                continue
-            # fp32 accumulators: at most ~128 registers per thread (32 * num_warps threads).
-            acc_elems = bm * block_d if accumulator == "m" else 2 * bn * block_d
-            if acc_elems > 128 * 32 * warps:
-                continue
-            # The BLOCK_M x BLOCK_N score tile (and, backward, dP and dS beside it) lives in registers too.
-            if block_d >= 256 and bm * bn > 64 * 64:
-                continue
-            kept.append(conf)
-        return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+        mine = [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+        if not mine:  # the interpreter's single config
+            return configs
+        fits = [c for c in mine if c.kwargs["BLOCK_M"] <= bucket_q and c.kwargs["BLOCK_N"] <= bucket_k]
+        return fits or [min(mine, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_warps))]
 
     return keep
 
@@ -320,9 +349,9 @@ def _attention_train_fwd_kernel(
 
 _FWD_KEYS = ["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "BIAS_BROADCAST_Q"]
 _attention_train_fwd_kernel_autotuned = triton.autotune(
-    configs=_configs(_FWD_TILES, "fwd"),
+    configs=_configs("fwd"),
     key=_FWD_KEYS,
-    prune_configs_by={"early_config_prune": _keep("m")},
+    prune_configs_by={"early_config_prune": _keep("fwd")},
 )(_attention_train_fwd_kernel)
 
 
@@ -525,8 +554,8 @@ def _attention_train_bwd_dkdv_kernel(
         delta_row_ptr = delta_ptr + off_bh * seqlen_q
         q_blk = q_ptr + off_b * stride_q_batch + off_h * stride_q_head + lo64 * stride_q_seq
         do_blk = do_ptr + off_b * stride_do_batch + off_h * stride_do_head + lo64 * stride_do_seq
-        bias_blk = (bias_ptr + off_b * stride_bias_batch + off_h * stride_bias_head + start_n.to(tl.int64) * stride_bias_k
-                    + lo64 * stride_bias_q)
+        bias_blk = (bias_ptr + off_b * stride_bias_batch + off_h * stride_bias_head
+                    + start_n.to(tl.int64) * stride_bias_k + lo64 * stride_bias_q)
         ds_head = ds_ptr + off_b * stride_ds_batch + off_h * stride_ds_head + start_n.to(tl.int64) * stride_ds_k
         ds_blk = ds_head + lo64 * stride_ds_q
         ds_col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -578,8 +607,10 @@ def _attention_train_bwd_dkdv_kernel(
 
     dk = dk * scale
     ok = col_ok[:, None] & d_ok[None, :]
-    dk_ptrs = dk_ptr + off_b * stride_dk_batch + off_h_kv * stride_dk_head + cols64[:, None] * stride_dk_seq + offs_d[None, :]
-    dv_ptrs = dv_ptr + off_b * stride_dv_batch + off_h_kv * stride_dv_head + cols64[:, None] * stride_dv_seq + offs_d[None, :]
+    dk_ptrs = (dk_ptr + off_b * stride_dk_batch + off_h_kv * stride_dk_head + cols64[:, None] * stride_dk_seq
+               + offs_d[None, :])
+    dv_ptrs = (dv_ptr + off_b * stride_dv_batch + off_h_kv * stride_dv_head + cols64[:, None] * stride_dv_seq
+               + offs_d[None, :])
     tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=ok)
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=ok)
 
@@ -714,21 +745,22 @@ def _attention_train_bwd_dq_kernel(
         BLOCK_N, PAD_D, True, IS_CAUSAL, HAS_BIAS, BIAS_BROADCAST_Q, LOAD_AS_FP32, DOT_PRECISION,
     )
     dq = dq * scale
-    dq_ptrs = dq_ptr + off_b * stride_dq_batch + off_h * stride_dq_head + rows64[:, None] * stride_dq_seq + offs_d[None, :]
+    dq_ptrs = (dq_ptr + off_b * stride_dq_batch + off_h * stride_dq_head + rows64[:, None] * stride_dq_seq
+               + offs_d[None, :])
     tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 _BWD_KEYS = ["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "BIAS_BROADCAST_Q"]
 _attention_train_bwd_dkdv_kernel_autotuned = triton.autotune(
-    configs=_configs(_DKDV_TILES, "dkdv"),
+    configs=_configs("dkdv"),
     key=_BWD_KEYS + ["kv_group", "STORE_DS", "DS_SUM_Q"],
-    prune_configs_by={"early_config_prune": _keep("n")},
+    prune_configs_by={"early_config_prune": _keep("dkdv")},
 )(_attention_train_bwd_dkdv_kernel)
 
 _attention_train_bwd_dq_kernel_autotuned = triton.autotune(
-    configs=_configs(_DQ_TILES, "dq"),
+    configs=_configs("dq"),
     key=_BWD_KEYS,
-    prune_configs_by={"early_config_prune": _keep("m")},
+    prune_configs_by={"early_config_prune": _keep("dq")},
 )(_attention_train_bwd_dq_kernel)
 
 
@@ -756,8 +788,11 @@ def _bias_strides(bias: torch.Tensor, target: tuple[int, int, int, int]) -> list
 
 
 def check_attention_train_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               bias: Optional[torch.Tensor]) -> None:
+                               bias: Optional[torch.Tensor], scale: float) -> None:
     """Raise on shapes, dtypes or devices the kernels do not handle (shared with the fake implementations)."""
+    if not scale >= 0:
+        # The unmasked blocks take the row maximum of q @ k^T before scaling: right for scale >= 0 only.
+        raise ValueError(f"attention_train needs scale >= 0, got {scale}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("attention_train expects q, k, v of shape (batch, nheads, seqlen, headdim)")
     batch, nheads, seqlen_q, head_dim = q.shape
@@ -810,6 +845,7 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     # The kernels assume unit stride along the head dim (vectorised loads); anything else is rare.
+    # (The bias is read with its own key stride: Triton specialises a stride of 1 anyway.)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -848,16 +884,14 @@ def attention_train_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) = (softmax(s) @ v, logsumexp(s)), s = scale * q @ k^T + bias (+ causal); see the module
     docstring. Autotuned per (bucketed seqlens, head dim, flags, dtype); `blocks` pins (BLOCK_M, BLOCK_N)."""
-    check_attention_train_args(q, k, v, bias)
+    check_attention_train_args(q, k, v, bias, scale)
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
     out, lse = attention_train_empty_out(q)
-    if out.numel() == 0:
-        lse.fill_(float("-inf"))  # no key: softmax over nothing
+    if out.numel() == 0:  # no query (seqlen_k == 0 runs: every row gets out 0, lse -inf)
         return out, lse
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if bias is not None:
-        bias = _unit_last_stride(bias) if bias.shape[-1] != 1 else bias
         bias_strides = _bias_strides(bias, (batch, nheads, seqlen_q, seqlen_k))
     else:
         bias_strides = [0, 0, 0, 0]
@@ -895,7 +929,7 @@ def attention_train_bwd(
     """(dq, dk, dv, dbias or None) from dO = `do` (and dlse = the gradient of lse, if any), with the
     forward's inputs, out and lse. dbias (bias's shape and dtype) only when bias_needs_grad.
     Deterministic: no atomics. `blocks` pins (BLOCK_M, BLOCK_N) of both main kernels."""
-    check_attention_train_args(q, k, v, bias)
+    check_attention_train_args(q, k, v, bias, scale)
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
     if tuple(do.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
@@ -919,7 +953,6 @@ def attention_train_bwd(
     lse = lse.contiguous()
     target = (batch, nheads, seqlen_q, seqlen_k)
     if bias is not None:
-        bias = _unit_last_stride(bias) if bias.shape[-1] != 1 else bias
         bias_strides = _bias_strides(bias, target)
     else:
         bias_strides = [0, 0, 0, 0]

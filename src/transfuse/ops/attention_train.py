@@ -44,7 +44,7 @@ def attention_train_fwd(
 
 @attention_train_fwd.register_fake
 def _attention_train_fwd_fake(q, k, v, bias, scale, is_causal):
-    kernels.check_attention_train_args(q, k, v, bias)
+    kernels.check_attention_train_args(q, k, v, bias, scale)
     return kernels.attention_train_empty_out(q)
 
 
@@ -70,7 +70,7 @@ def attention_train_bwd(
 
 @attention_train_bwd.register_fake
 def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, lse, grad_lse, scale, is_causal, bias_needs_grad):
-    kernels.check_attention_train_args(q, k, v, bias)
+    kernels.check_attention_train_args(q, k, v, bias, scale)
     dq, dk, dv, dbias = kernels.attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
 

@@ -1,0 +1,54 @@
+"""Where a training step's GPU time goes: nanoGPT GPT-2 124M (hand-written attention, vocab 50257),
+bf16 autocast, fused AdamW, transfuse.optimize or eager SDPA.
+
+    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|sdpa] [--batch 8] [--seq 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from transfuse.bench.nanogpt import GPT, GPTConfig, set_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "sdpa"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).cuda().train()
+    if args.provider == "sdpa":
+        set_attention(model, True)
+    else:
+        import transfuse
+
+        transfuse.optimize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    print(f"{args.provider}: GPU kernels over 2 steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
