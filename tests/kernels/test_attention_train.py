@@ -131,13 +131,18 @@ def _bias(name, device):
         return torch.randn(S, S, device=device).requires_grad_(), True, 1
     if name == "B11S_grad":        # one row for every query: summed over queries in the kernel
         return torch.randn(B, 1, 1, S, device=device).requires_grad_(), False, H
+    if name == "SS_rows_minus100":  # whole rows at -100: lse < -88, so a padded key's exp(0 - lse) overflows
+        bias = torch.randn(S, S, device=device)
+        bias[3:6] = -100.0
+        return bias, False, H
     if name == "B11S_pad_min":     # HF-style padding mask, finfo.min, no grad
         keep = torch.arange(S, device=device)[None, :] < torch.tensor([S, 20], device=device)[:, None]
         return torch.zeros(B, 1, 1, S, device=device).masked_fill(~keep[:, None, None, :], FP32_MIN), True, H
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name", ["1HSS_grad", "BHSS_grad", "SS_grad_gqa", "B11S_grad", "B11S_pad_min"])
+@pytest.mark.parametrize("name", ["1HSS_grad", "BHSS_grad", "SS_grad_gqa", "B11S_grad", "SS_rows_minus100",
+                                  "B11S_pad_min"])
 def test_bias(name, device):
     bias, is_causal, nheads_kv = _bias(name, device)
     q, k, v = _qkv(B, H, nheads_kv, S, S, 16, torch.float32, device)
@@ -165,6 +170,22 @@ def test_fully_masked_rows_no_nan(device):
     out, lse, dq, dk, dv, dbias = _check_fp32(q, k, v, bias, 0.25, True, use_lse=False)
     assert out[:, :, 5].eq(0).all() and lse[:, :, 5].eq(NEG_INF).all() and dq[:, :, 5].eq(0).all()
     assert dbias[5].eq(0).all() and dbias.triu(1).eq(0).all() and dbias.tril().ne(0).any()
+
+
+def test_rows_masked_by_finite_min(device):
+    """Left padding + causal with an HF-style finfo.min mask: rows < 10 see only padded keys. Forward: the
+    softmax spreads over their keys j <= i, as eager does. Backward: right when those rows' output
+    gradient is 0 (padding, whose loss is ignored), the case the module docstring limits itself to."""
+    pad = 10
+    q, k, v = _qkv(2, 2, 2, S, S, 16, torch.float32, device)
+    bias = torch.zeros(1, 1, 1, S, device=device)
+    bias[..., :pad] = FP32_MIN
+    grad_out = torch.randn_like(q)
+    grad_out[:, :, :pad] = 0
+    ours = _forward_backward(_ours, q, k, v, bias, 0.25, True, grad_out, None)
+    ref = _forward_backward(attention_train_ref, q, k, v, bias, 0.25, True, grad_out, None)
+    _assert_close_fp32(ours, ref)
+    torch.testing.assert_close(ours[0][:, :, 4], v[:, :, :5].mean(2), atol=1e-5, rtol=1e-5)
 
 
 # ---- low precision ---------------------------------------------------------------------------------
@@ -340,6 +361,21 @@ def test_op_autograd_and_fake_layout(device):
         fake_grads = torch.ops.transfuse.attention_train_bwd(fg, fq, fk, fv, fb, *fake, None, 0.25, True, True)
     for a, b in zip((*real, *real_grads), (*fake, *fake_grads)):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def test_compile_fullgraph_dynamic(device):
+    """The public op inside torch.compile (fullgraph, dynamic shapes), backward included, at two lengths."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: torch.ops.transfuse.attention_train(*args, 0.25, True),
+                             backend="aot_eager", fullgraph=True, dynamic=True)
+    for seqlen in (17, 23):
+        q, k, v = _qkv(1, 2, 1, seqlen, seqlen, 16, torch.float32, device)
+        bias = torch.randn(1, 2, seqlen, seqlen, device=device).requires_grad_()
+        grad_out = torch.randn_like(q)
+        ours = _forward_backward(lambda *a: (compiled(*a[:4]), torch.zeros(())), q, k, v, bias, 0.25, True,
+                                 grad_out, None)
+        ref = _forward_backward(attention_train_ref, q, k, v, bias, 0.25, True, grad_out, None)
+        _assert_close_fp32((ours[0], ref[1], *ours[2:]), ref)  # the op gives no lse: ref's stands in
 
 
 def test_bad_arguments(device):

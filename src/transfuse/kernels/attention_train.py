@@ -46,7 +46,7 @@ recomputed weights are 1 instead of 1/l, so such a row (which sees no key) gets 
 its output gradient is zero, as for padding rows whose loss is ignored. Mask whole rows with -inf.
 
 Not supported: dropout (p = 0 only), a boolean mask (convert it, see above), double backward,
-headdim > 256, fp64. Sizes that change every step (the sequence lengths) are not specialised on, and the
+headdim > 256, fp64, a negative scale. Sizes that change every step (the sequence lengths) are not specialised on, and the
 autotune keys are bucketed lengths, so a new length neither recompiles nor retunes.
 """
 
@@ -962,7 +962,8 @@ def attention_train_bwd(
     # delta = rowsum(dO * O) - dlse
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     dlse_arg = dlse.to(torch.float32).contiguous() if dlse is not None else delta  # never read without HAS_DLSE
-    pre_block_m = 32 if INTERPRET else 64
+    # Memory-bound: small tiles (two of 4096 values over 4 warps, ~90 registers) keep occupancy up.
+    pre_block_m = 32 if INTERPRET else max(16, 4096 // flags["BLOCK_D"])
     _attention_train_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_block_m), batch * nheads)](
         out, out.stride(0), out.stride(1), out.stride(2),
         do, do.stride(0), do.stride(1), do.stride(2),

@@ -14,8 +14,9 @@ Why three ops: register_autograd's setup_context only sees an op's outputs, and 
 the log-sum-exp, so the op that carries the autograd formula, attention_train_fwd, returns
 (out, lse). attention_train, the op callers use, is CompositeImplicitAutograd: it is attention_train_fwd
 and drops lse, so autograd, fake tensors and torch.compile all go through attention_train_fwd (whose
-backward is the attention_train_bwd op: a graph node of its own under torch.compile too). lse is
-differentiable as well: its gradient folds into the backward's delta at no cost.
+backward is the attention_train_bwd op: a graph node of its own under torch.compile too); being
+composite, it has no fake implementation of its own (torch refuses one). lse is differentiable as
+well: its gradient folds into the backward's delta at no cost.
 
 attention_train_bwd returns an empty (0,) tensor in place of dbias unless bias_needs_grad (a schema
 cannot return None). Double backward is not supported. Optional[...] rather than `X | None` in the
