@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--host", action="store_true", help="also cProfile two steps (host time by function)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(GPTConfig()).cuda().train()
@@ -48,6 +49,19 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"{args.provider}: GPU kernels over 2 steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.host:
+        import cProfile
+        import pstats
+        import time
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with cProfile.Profile() as host:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print(f"2 steps: {(time.perf_counter() - start) * 1e3:.1f} ms under cProfile")
+        pstats.Stats(host).sort_stats("tottime").print_stats(args.rows)
 
 
 if __name__ == "__main__":

@@ -212,11 +212,13 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
 _PURE_METHODS = frozenset({
     "to", "float", "half", "bfloat16", "type_as", "pow", "mean", "sum", "rsqrt", "sqrt", "exp", "cos", "sin",
     "mul", "add", "sub", "div", "neg", "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze",
-    "squeeze", "expand", "narrow", "size", "dim", "clone",
+    "squeeze", "expand", "narrow", "size", "dim", "clone", "any", "all", "isinf", "isnan", "abs", "eq", "ne",
 })
 _PURE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
     torch.cat, torch.rsqrt, torch.mean, torch.pow, torch.cos, torch.sin, torch.exp, torch.arange,
+    # what a replaced guard leaves behind (T5's `torch.where(torch.isinf(h).any(), ...)`)
+    torch.isinf, torch.isnan, torch.any, torch.all, torch.abs, torch.eq, torch.ne,
 })
 
 

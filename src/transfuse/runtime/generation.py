@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import types
 
 import torch
 
@@ -83,6 +84,7 @@ class StaticCacheReuse:
             if shape is not None and hasattr(cache, "early_initialization"):
                 cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
                                            dtype=self.model.dtype, device=self.model.device)
+        _keep_addresses_in_beam_search(cache)
         self.caches[key] = (cache, length)
         self.caches.move_to_end(key)
         while len(self.caches) > self.max_kept:
@@ -94,6 +96,27 @@ class StaticCacheReuse:
         sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
                           for (b, _, _, c), (_, n) in self.caches.items())
         return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
+
+
+def _reorder_in_place(layer, beam_idx: torch.Tensor) -> None:
+    """Hugging Face's CacheLayerMixin.reorder_cache, writing the chosen beams' rows back into the same
+    tensors: HF binds new ones every beam step, and a new address is a new CUDA-graph capture per step."""
+    if layer.get_seq_length() > 0:
+        index = beam_idx.to(layer.keys.device)
+        layer.keys.copy_(layer.keys.index_select(0, index))
+        layer.values.copy_(layer.values.index_select(0, index))
+
+
+def _keep_addresses_in_beam_search(cache) -> None:
+    """Beam search reorders the cache every step; for the layers whose reorder is the plain one,
+    reorder in place (the caches transfuse creates keep their tensors for life)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    parts = [getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)]
+    for part in [p for p in parts if p is not None] or [cache]:
+        for layer in getattr(part, "layers", ()):
+            if getattr(type(layer), "reorder_cache", None) is CacheLayerMixin.reorder_cache:
+                layer.reorder_cache = types.MethodType(_reorder_in_place, layer)
 
 
 def install(model: torch.nn.Module, state) -> None:
