@@ -107,8 +107,8 @@ def _eos_mid_generation(model, ids, mask) -> list[int]:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_decode_loop_matches_hf_loop(family):
-    """Greedy (with left padding, min_new_tokens, an EOS that stops rows at different steps) and
-    sampling (temperature, top-k, top-p, one seed): the tokens of Hugging Face's own loop."""
+    """Greedy (with left padding, min_new_tokens, an EOS that stops rows at different steps, forced
+    BOS/EOS) and sampling (temperature, top-k, top-p, one seed): the tokens of Hugging Face's own loop."""
     torch.manual_seed(0)
     model = _lm(family, initializer_range=0.5).eval()  # not one token repeated: rows finish apart
     ids = torch.randint(3, 97, (3, 6))
@@ -119,6 +119,8 @@ def test_decode_loop_matches_hf_loop(family):
         dict(max_new_tokens=10, do_sample=False, eos_token_id=eos),
         dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, eos_token_id=eos),
         dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+        # BART's forced EOS at the last position, mBART's forced BOS at the first
+        dict(max_new_tokens=5, do_sample=False, forced_bos_token_id=11, forced_eos_token_id=eos[0]),
     ]
     refs = []
     with torch.no_grad():
@@ -133,7 +135,8 @@ def test_decode_loop_matches_hf_loop(family):
     assert refs[0].shape[1] < ids.shape[1] + 10, "EOS should have stopped every row early"
     loop = model._transfuse_state.decode_loop
     assert loop.calls == len(cases) and not loop.left_to_hf
-    assert "decode loop: 3 call(s)" in transfuse.report(model)
+    assert "decode loop: 4 call(s)" in transfuse.report(model)
+    assert (refs[3][:, -1] == eos[0]).all()  # forced EOS took effect (forced BOS acts at length 1: seq2seq only)
 
 
 def test_decode_loop_leaves_what_it_does_not_implement_to_hf():

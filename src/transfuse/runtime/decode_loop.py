@@ -31,7 +31,8 @@ Anything the loop does not implement runs Hugging Face's own `_sample`, and the 
 a cache transfuse did not create, streamers, output_scores/logits/attentions/hidden_states,
 synced GPUs, assisted decoding, chunked prefill, model inputs that grow per token (token_type_ids,
 inputs_embeds), stopping criteria other than max length and EOS, logits processors that read the
-generated ids (repetition penalty, n-gram blocking, ...).
+generated ids (repetition penalty, n-gram blocking, ...). Min-length and forced BOS/EOS processors,
+which read only the length, are reimplemented on a length tensor.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ _SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"
                "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper")
 # Processors that read only the length of the generated ids: reimplemented on a length tensor.
 _MIN_LENGTH = ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
+# Processors that force given tokens at one length (BART's forced EOS at the last position, mBART's
+# forced BOS): reimplemented on the length tensor too.
+_FORCED = ("ForcedEOSTokenLogitsProcessor", "ForcedBOSTokenLogitsProcessor")
 _STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")
 # Model inputs that Hugging Face's loop changes per token; the loop keeps them in its buffers.
 _PER_STEP = ("attention_mask", "position_ids", "past_key_values")
@@ -70,7 +74,7 @@ def _describe_processor(p) -> tuple:
 class _Buffers:
     """The step's state, at fixed addresses for the graph that reads and writes it."""
 
-    def __init__(self, batch: int, length: int, max_new: int, vocab: int, min_lengths: int, device):
+    def __init__(self, batch: int, length: int, max_new: int, vocab: int, min_lengths: int, device, forced: int = 0):
         long = dict(dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, 1, **long)
         self.positions = torch.zeros(batch, 1, **long)
@@ -86,6 +90,9 @@ class _Buffers:
         # Per min-length processor: its threshold on cur_len and the vocabulary entries it blocks.
         self.min_len = torch.zeros(max(1, min_lengths), **long)
         self.min_len_blocked = torch.zeros(max(1, min_lengths), vocab, dtype=torch.bool, device=device)
+        # Per forcing processor: the cur_len at which it applies and the entries it allows.
+        self.forced_len = torch.zeros(max(1, forced), **long)
+        self.forced_allowed = torch.zeros(max(1, forced), vocab, dtype=torch.bool, device=device)
 
 
 class _Entry:
@@ -153,7 +160,7 @@ class DecodeLoop:
             if model_kwargs.get("position_ids") is not None and model_kwargs["position_ids"].dim() != 2:
                 return "position ids that are not 2-D"
         for p in logits_processor:
-            if type(p).__name__ not in _SCORE_ONLY + _MIN_LENGTH:
+            if type(p).__name__ not in _SCORE_ONLY + _MIN_LENGTH + _FORCED:
                 return f"logits processor {type(p).__name__}"
         for c in stopping_criteria:
             if type(c).__name__ not in _STOPPING:
@@ -202,8 +209,9 @@ class DecodeLoop:
         entry = self.entries.get(key)
         if entry is None:
             mins = sum(type(p).__name__ in _MIN_LENGTH for p in logits_processor)
+            forced = sum(type(p).__name__ in _FORCED for p in logits_processor)
             with torch.inference_mode(False):  # written in place by later calls, inside inference mode or not
-                buffers = _Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device)
+                buffers = _Buffers(batch, length, _round_up(max_new), logits.shape[-1], mins, input_ids.device, forced)
                 eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device) if eos_ids else None
                 entry = _Entry(buffers, eos)
                 entry.constant = _static_copy(constant)  # per-call tensors (encoder states) at fixed addresses
@@ -293,16 +301,28 @@ class DecodeLoop:
             ids = [j for j in _ids(p.eos_token_id) if 0 <= j < b.min_len_blocked.shape[1]]
             b.min_len_blocked[i, ids] = True
             i += 1
+        b.forced_allowed.zero_()
+        forced = [p for p in logits_processor if type(p).__name__ in _FORCED]
+        for i, p in enumerate(forced):
+            eos = type(p).__name__ == "ForcedEOSTokenLogitsProcessor"
+            b.forced_len[i] = p.max_length - 1 if eos else 1
+            ids = _ids(p.eos_token_id) if eos else [int(p.bos_token_id)]
+            b.forced_allowed[i, [j for j in ids if 0 <= j < b.forced_allowed.shape[1]]] = True
 
     def _choose(self, logits, b: _Buffers, eos, logits_processor, do_sample: bool) -> None:
         """Hugging Face's token choice on the step's logits, written into the buffers."""
         scores = logits
-        i = 0
+        i = f = 0
         for p in logits_processor:
             if type(p).__name__ in _MIN_LENGTH:
                 block = b.min_len_blocked[i] & (b.cur_len < b.min_len[i])
                 scores = scores.masked_fill(block, -math.inf)
                 i += 1
+            elif type(p).__name__ in _FORCED:
+                # HF: at that length every score is -inf but the forced tokens', which are 0.
+                forced = torch.where(b.forced_allowed[f], 0.0, -math.inf).to(scores.dtype)
+                scores = torch.where(b.cur_len == b.forced_len[f], forced, scores)
+                f += 1
             else:
                 scores = p(None, scores)
         if do_sample:
