@@ -75,6 +75,18 @@ def compute_flops(gm: fx.GraphModule, transfuse_only: bool = False) -> float:
     return total
 
 
+# Rewrites of a training graph -> the op family whose backward runs in transfuse kernels.
+_BACKWARD_FAMILIES = {
+    "ManualAttention": "attention (FlashAttention-2 forward, dK/dV and dQ kernels)",
+    "TorchSDPA": "attention (FlashAttention-2 forward, dK/dV and dQ kernels)",
+    "LayerNorm": "layer norm", "ResidualLayerNorm": "layer norm", "WrittenLayerNorm": "layer norm",
+    "ResidualWrittenLayerNorm": "layer norm",
+    "RMSNorm": "RMSNorm", "ResidualRMSNorm": "RMSNorm",
+    "RotaryEmbedding": "rotary", "RotaryPair": "rotary",
+    "CrossEntropy": "cross-entropy", "LinearCrossEntropy": "LM head + cross-entropy (chunked)",
+}
+
+
 def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | None = None, runners=()) -> str:
     if not records:
         return "transfuse: nothing compiled yet (call the model once)"
@@ -98,7 +110,14 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
         lines.append(f"  matmul/attention FLOPs in transfuse kernels: {ours / total:.1%}")
     trained = sum(r.training for r in records)
     if trained:
-        lines.append(f"  training graphs: {trained} (gradients flow through every rewritten op; no CUDA graphs, no padding)")
+        lines.append(f"  training graphs: {trained} (no CUDA graphs, no padding)")
+        in_training: Counter = Counter()
+        for r in records:
+            if r.training:
+                in_training.update(r.rewrites)
+        families = sorted({family for pattern, family in _BACKWARD_FAMILIES.items() if in_training[pattern]})
+        lines.append("    forward and backward in transfuse kernels: " + (", ".join(families) or "nothing"))
+        lines.append("    in PyTorch: GEMMs (cuBLAS), element-wise ops, dropout, anything listed as left alone")
     on_gpu = any(r.cuda_graphs for r in records)
     lines.append(f"  CUDA graphs: {'on' if on_gpu else 'off (CPU or disabled)'}")
     if pool is not None and pool.graphs_captured:

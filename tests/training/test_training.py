@@ -87,7 +87,8 @@ def test_training_step_equals_eager(family, expected):
     rewrites = _rewrites(model)
     for pattern, count in expected.items():
         assert rewrites[pattern] == count, (pattern, rewrites)
-    assert "training graphs: 1" in transfuse.report(model)
+    report = transfuse.report(model)
+    assert "training graphs: 1" in report and "attention (FlashAttention-2" in report
 
 
 def test_adamw_steps_follow_eager_and_eval_sees_the_trained_weights():
@@ -126,3 +127,30 @@ def test_dropout_stays_pytorch_and_draws_the_same_masks():
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     report = transfuse.report(model)
     assert "EvalDropout" in report and "in training mode is not the identity" in report
+
+
+def test_gradient_accumulation_equals_eager():
+    model = _nanogpt()
+    reference = copy.deepcopy(model)
+    transfuse.optimize(model)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 97, (2, 12), generator=gen) for _ in range(2)]
+    for m in (model, reference):
+        for ids in batches:  # two micro-batches, one optimizer step's worth of gradients
+            _, loss = m(ids, ids.roll(-1, 1))
+            (loss / len(batches)).backward()
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_gradient_checkpointing_equals_eager():
+    model = _hf_gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 13))
+    transfuse.optimize(model)
+    _, loss = _step(model, ids, ids)
+    _, ref_loss = _step(reference, ids, ids)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
