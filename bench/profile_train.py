@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="also cProfile two steps (host time by function)")
+    parser.add_argument("--gc", action="store_true", help="also time steps with Python's garbage collector off")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(GPTConfig()).cuda().train()
@@ -49,6 +50,25 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"{args.provider}: GPU kernels over 2 steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.gc:
+        import gc
+        import time
+
+        for label in ("gc on", "gc off", "gc frozen"):
+            if label == "gc off":
+                gc.disable()
+            if label == "gc frozen":
+                gc.enable()
+                gc.collect()
+                gc.freeze()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            print(f"{label}: {(time.perf_counter() - start) / 5 * 1e3:.1f} ms per step")
+        gc.unfreeze()
+        gc.enable()
     if args.host:
         import cProfile
         import pstats
