@@ -117,7 +117,8 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
                 in_training.update(r.rewrites)
         families = sorted({family for pattern, family in _BACKWARD_FAMILIES.items() if in_training[pattern]})
         lines.append("    forward and backward in transfuse kernels: " + (", ".join(families) or "nothing"))
-        lines.append("    in PyTorch: GEMMs (cuBLAS), element-wise ops, dropout, anything listed as left alone")
+        sdpa = " (attention with dropout: F.scaled_dot_product_attention)" if in_training["AttentionDropoutToSDPA"] else ""
+        lines.append(f"    in PyTorch: GEMMs (cuBLAS), element-wise ops, dropout{sdpa}, anything listed as left alone")
     on_gpu = any(r.cuda_graphs for r in records)
     lines.append(f"  CUDA graphs: {'on' if on_gpu else 'off (CPU or disabled)'}")
     if pool is not None and pool.graphs_captured:

@@ -154,3 +154,26 @@ def test_gradient_checkpointing_equals_eager():
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
+    """GPT-2's attn_pdrop in training: the hand-written attention with dropout on its probabilities
+    becomes F.scaled_dot_product_attention(dropout_p=p). On the CPU SDPA's math path draws the same
+    dropout mask as Hugging Face's own "sdpa" attention under one seed: equal losses show the
+    rewrite computes the same function."""
+    model = _hf_gpt2()
+    model.config.attn_pdrop = 0.3
+    for block in model.transformer.h:
+        block.attn.attn_dropout.p = 0.3
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 97, (2, 13))
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(7)
+        losses.append(_step(m, ids, ids)[1].item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.manual_seed(8)
+    assert _step(model, ids, ids)[1].item() != pytest.approx(losses[0], rel=1e-6)  # dropout is on
+    assert _rewrites(model)["AttentionDropoutToSDPA"] == 2

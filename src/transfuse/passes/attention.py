@@ -47,6 +47,7 @@ from transfuse.passes.manager import PassContext
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SDPA = "TorchSDPA"
 MANUAL = "ManualAttention"
+DROPOUT_SDPA = "AttentionDropoutToSDPA"
 DECODE_QUERIES = 16  # at most one block of queries: the kernel's smallest BLOCK_M
 
 
@@ -69,6 +70,13 @@ def run(ctx: PassContext) -> None:
             _check_operands(spec)
         except Reject as reason:
             ctx.reject(pattern, node, str(reason))
+            continue
+        if spec.get("dropout_p", 0.0):
+            if not ctx.training:
+                ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
+                continue
+            _replace_with_sdpa(ctx, spec)
+            ctx.matched(DROPOUT_SDPA)
             continue
         if _causal_buffer(ctx, spec):
             spec.update(is_causal=True, bool_masks=[])
@@ -118,6 +126,25 @@ def _causal_buffer(ctx: PassContext, spec: dict) -> bool:
     n = value.shape[-1]
     tril = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
     return bool(((value != 0) == tril).all())
+
+
+def _replace_with_sdpa(ctx: PassContext, spec: dict) -> None:
+    """Hand-written attention with dropout on the probabilities, in a training graph: transfuse's
+    kernels have no dropout yet, so it becomes PyTorch's fused F.scaled_dot_product_attention with
+    the same dropout_p (the same distribution; not eager's random stream) instead of the T x T
+    probabilities eager materialises and keeps for backward."""
+    graph = ctx.gm.graph
+    out: fx.Node = spec["out"]
+    with graph.inserting_before(out):
+        k = spec["k"]
+        if spec["k_transposed"]:
+            k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
+        new = graph.call_function(torch.nn.functional.scaled_dot_product_attention, (spec["q"], k, spec["v"]), dict(
+            attn_mask=_combined_mask(graph, spec), dropout_p=float(spec["dropout_p"]), is_causal=spec["is_causal"],
+            scale=float(spec["scale"])))
+    new.meta["example_value"] = out.meta.get("example_value")
+    out.replace_all_uses_with(new)
+    graph.erase_node(out)
 
 
 def _mask_key(spec: dict) -> tuple:
@@ -191,7 +218,12 @@ def _match_manual(softmax: fx.Node) -> dict:
     # Forward: casts, then `probs @ v`.
     chain = [softmax]
     cur = softmax
-    while (user := single_user(cur)) is not None and kind(user) == "to":
+    dropout_p = 0.0
+    while (user := single_user(cur)) is not None and (kind(user) == "to" or (kind(user) == "dropout" and not dropout_p)):
+        if kind(user) == "dropout":  # only p > 0 in training mode is left by the dropout pass
+            dropout_p = scalar(arg(user, 1, "p", 0.5))
+            if dropout_p is None or arg(user, 2, "training", True) is not True or arg(user, 3, "inplace", False):
+                raise Reject("dropout on the probabilities with settings that are not constants")
         chain.append(user)
         cur = user
     pv = single_user(cur)
@@ -269,7 +301,7 @@ def _match_manual(softmax: fx.Node) -> dict:
         raise Reject("more than one boolean mask")
     return dict(
         out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
-        is_causal=False, masked_rows_zero=False, chain=chain,
+        is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p,
     )
 
 
