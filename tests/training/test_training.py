@@ -177,3 +177,35 @@ def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
     torch.manual_seed(8)
     assert _step(model, ids, ids)[1].item() != pytest.approx(losses[0], rel=1e-6)  # dropout is on
     assert _rewrites(model)["AttentionDropoutToSDPA"] == 2
+
+
+class _LossOnly(torch.nn.Module):
+    """A model that returns only its loss: the LM head can go into the loss (logits never whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(97, 32)
+        self.head = torch.nn.Linear(32, 97, bias=False)
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                                 label_smoothing=0.1)
+
+
+def test_loss_only_model_fuses_the_head_into_the_loss():
+    torch.manual_seed(0)
+    model = _LossOnly().train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (3, 11))
+    targets = torch.randint(0, 97, (3, 11))
+    targets[1, 2:5] = -1
+    transfuse.optimize(model)
+    loss = model(ids, targets)
+    loss.backward()
+    ref = reference(ids, targets)
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, errors
+    assert _rewrites(model)["LinearCrossEntropy"] == 1
