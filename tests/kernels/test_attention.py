@@ -12,20 +12,13 @@ from transfuse.kernels.attention import (
     attention_fwd,
     attention_mask_summary_fwd,
 )
+from tests.kernels.attention_cases import FP32_MIN, qkv
 from transfuse.reference.attention import attention_mask_summary_ref, attention_ref
 
-FP32_MIN = torch.finfo(torch.float32).min
 
 # The interpreter runs the kernels in numpy, which warns about the -inf/NaN arithmetic that fully
 # masked rows and NaN inputs do on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, dtype, device):
-    q = torch.randn(batch, nheads, seqlen_q, head_dim, dtype=dtype, device=device)
-    k = torch.randn(batch, nheads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
-    v = torch.randn(batch, nheads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
-    return q, k, v
 
 
 def _sdpa(q, k, v, mask, scale, is_causal):
@@ -70,7 +63,7 @@ SHAPES = [
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_attention_matches_reference(shape, is_causal, dtype, atol, device):
-    q, k, v = _qkv(*shape, dtype, device)
+    q, k, v = qkv(*shape, dtype, device)
     scale = shape[-1] ** -0.5
     out = attention_fwd(q, k, v, None, None, scale, is_causal, True)
     assert out.stride() == _expected_out_strides(q)
@@ -78,7 +71,7 @@ def test_attention_matches_reference(shape, is_causal, dtype, atol, device):
 
 
 def test_attention_matches_sdpa(device):
-    q, k, v = _qkv(2, 4, 2, 29, 29, 48, torch.float32, device)
+    q, k, v = qkv(2, 4, 2, 29, 29, 48, torch.float32, device)
     out = attention_fwd(q, k, v, None, None, 0.3, True, True)
     torch.testing.assert_close(out, _sdpa(q, k, v, None, 0.3, True), atol=1e-5, rtol=1e-5)
 
@@ -128,7 +121,7 @@ MASK_NAMES = list(_mask_forms("cpu"))
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 def test_attention_masks(mask_name, use_summary, device):
     mask = _mask_forms(device)[mask_name]
-    q, k, v = _qkv(B, H, H, SQ, SK, 32, torch.float32, device)
+    q, k, v = qkv(B, H, H, SQ, SK, 32, torch.float32, device)
     summary = attention_mask_summary_fwd(mask, SQ, SK) if use_summary else None
     for is_causal, masked_rows_zero in [(False, True), (False, False), (True, True)]:
         out = attention_fwd(q, k, v, mask, summary, 0.2, is_causal, masked_rows_zero)
@@ -138,7 +131,7 @@ def test_attention_masks(mask_name, use_summary, device):
 @pytest.mark.parametrize("mask_name", ["bool_B1QS", "add_min_11QS"])
 def test_attention_masks_fp16_gqa(mask_name, device):
     mask = _mask_forms(device)[mask_name]
-    q, k, v = _qkv(B, 4, 2, SQ, SK, 24, torch.float16, device)
+    q, k, v = qkv(B, 4, 2, SQ, SK, 24, torch.float16, device)
     summary = attention_mask_summary_fwd(mask, SQ, SK)
     out = attention_fwd(q, k, v, mask, summary, 0.25, False, True)
     _check(out, q, k, v, mask, 0.25, False, True, atol=2e-3)
@@ -148,7 +141,7 @@ def test_attention_masks_fp16_gqa(mask_name, device):
 
 @pytest.mark.parametrize("use_summary", [False, True])
 def test_fully_masked_rows_like_eager(use_summary, device):
-    q, k, v = _qkv(1, 2, 2, SQ, SK, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, SQ, SK, 16, torch.float32, device)
     scale = 0.25
     keep = torch.rand(SQ, SK, device=device) > 0.3
     keep[4] = False
@@ -186,7 +179,7 @@ def test_fully_masked_rows_like_eager(use_summary, device):
 @pytest.mark.parametrize("use_summary", [False, True])
 def test_rows_fully_masked_only_under_causal(use_summary, device):
     """Row i's visible keys all lie above the diagonal: with finite masking its softmax spreads over j <= i."""
-    q, k, v = _qkv(1, 1, 1, SQ, SK, 16, torch.float32, device)
+    q, k, v = qkv(1, 1, 1, SQ, SK, 16, torch.float32, device)
     keep = torch.ones(SQ, SK, dtype=torch.bool, device=device)
     keep[20:30, :100] = False            # rows 20..29 only see keys >= 100, all above the diagonal
     for mask in (torch.zeros(SQ, SK, device=device).masked_fill(~keep, FP32_MIN), keep):
@@ -207,7 +200,7 @@ def test_left_padding_causal_dense_rows(dtype, device):
     softmax spreads over j <= i, all in the leading block that the summary would skip; the
     DENSE_ROW_CAUSAL flag must keep it. With a bool mask they are zero (SDPA) and skipping is exact."""
     seqlen = 100
-    q, k, v = _qkv(1, 2, 2, seqlen, seqlen, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, seqlen, seqlen, 16, torch.float32, device)
     keep = (torch.arange(seqlen, device=device) >= 64).expand(seqlen, seqlen)
     mask = keep if dtype == torch.bool else torch.zeros(seqlen, seqlen, device=device).masked_fill(~keep, FP32_MIN)
     summary = attention_mask_summary_fwd(mask, seqlen, seqlen)
@@ -227,7 +220,7 @@ def test_left_padding_causal_dense_rows(dtype, device):
 
 
 def test_nan_inputs_propagate_like_eager(device):
-    q, k, v = _qkv(1, 2, 2, 21, 33, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, 21, 33, 16, torch.float32, device)
     q[0, 0, 3, 5] = float("nan")   # one query row
     k[0, 1, 7, 2] = float("nan")   # one key: every row of head 1
     v[0, 0, 30, 0] = float("nan")  # one value: column 0 of every row of head 0
@@ -253,7 +246,7 @@ def test_strided_qkv_from_fused_buffer(dtype, device):
 
 
 def test_non_unit_last_stride(device):
-    q, k, v = _qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
     qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride(-1) != 1
     assert qt.stride(-1) != 1
     torch.testing.assert_close(attention_fwd(qt, k, v, None, None, 0.25, False, True),
@@ -261,7 +254,7 @@ def test_non_unit_last_stride(device):
 
 
 def test_inputs_not_modified(device):
-    q, k, v = _qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
     mask = torch.rand(9, 9, device=device) > 0.5
     before = [t.clone() for t in (q, k, v, mask)]
     attention_fwd(q, k, v, mask, attention_mask_summary_fwd(mask, 9, 9), 0.25, True, True)
@@ -305,7 +298,7 @@ def test_summary_matches_reference(mask_name, device):
 def test_summary_skips_blocks(masked_keys, nan_key, expect, device):
     """Fully masked leading/trailing blocks are not read with a summary (a NaN value there stays out,
     as in SDPA's flash path); without a summary every block is read and 0 * NaN gives eager's NaN."""
-    q, k, v = _qkv(1, 1, 1, 16, 150, 16, torch.float32, device)
+    q, k, v = qkv(1, 1, 1, 16, 150, 16, torch.float32, device)
     keep = torch.ones(16, 150, dtype=torch.bool, device=device)
     keep[:, masked_keys] = False
     v[0, 0, nan_key, 0] = float("nan")
@@ -319,7 +312,7 @@ def test_summary_skips_blocks(masked_keys, nan_key, expect, device):
 
 def test_summary_no_masking_blocks_skip_the_mask(device):
     """A block marked NO_MASKING is computed without reading the mask (checked with a deliberately wrong summary)."""
-    q, k, v = _qkv(1, 1, 1, 16, 150, 16, torch.float32, device)
+    q, k, v = qkv(1, 1, 1, 16, 150, 16, torch.float32, device)
     keep = torch.ones(16, 150, dtype=torch.bool, device=device)
     keep[:, :10] = False
     summary = attention_mask_summary_fwd(keep, 16, 150)
@@ -330,7 +323,7 @@ def test_summary_no_masking_blocks_skip_the_mask(device):
 
 
 def test_bad_arguments(device):
-    q, k, v = _qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
     with pytest.raises(ValueError):
         attention_fwd(q, k, v, torch.ones(3, 9, dtype=torch.bool, device=device), None, 0.25, False, True)
     mask = torch.ones(9, 9, dtype=torch.bool, device=device)
@@ -348,7 +341,7 @@ def test_key_len_ignores_padded_keys(mask_name, key_len, device):
     """Keys from key_len on are padding: never attended, never read (NaN there changes nothing),
     and the real keys give what the unpadded problem gives."""
     mask = _mask_forms(device)[mask_name] if mask_name else None
-    q, k, v = _qkv(B, H, H, SQ, SK, 32, torch.float32, device)
+    q, k, v = qkv(B, H, H, SQ, SK, 32, torch.float32, device)
     k[:, :, key_len:] = float("nan")
     v[:, :, key_len:] = float("nan")
     summary = attention_mask_summary_fwd(mask, SQ, SK) if mask is not None else None

@@ -12,20 +12,13 @@ import transfuse.ops.attention_train  # noqa: F401  (registers the ops)
 from transfuse.kernels import attention_train as kernels
 from transfuse.kernels._config import INTERPRET
 from transfuse.kernels.attention_train import TILE_SHAPES, attention_train_bwd, attention_train_fwd
+from tests.kernels.attention_cases import FP32_MIN, qkv
 from transfuse.reference.attention_train import attention_train_ref
 
 NEG_INF = float("-inf")
-FP32_MIN = torch.finfo(torch.float32).min
 
 # The interpreter runs the kernels in numpy, which warns about the -inf arithmetic of masked scores.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, dtype, device):
-    q = torch.randn(batch, nheads, seqlen_q, head_dim, dtype=dtype, device=device)
-    k = torch.randn(batch, nheads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
-    v = torch.randn(batch, nheads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
-    return q, k, v
 
 
 def _forward_backward(fn, q, k, v, bias, scale, is_causal, grad_out, grad_lse):
@@ -100,7 +93,7 @@ CASES = [
                          + ("-lse" if c[7] else ""))
 def test_matches_reference(case, device):
     batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal, use_lse = case
-    q, k, v = _qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, torch.float32, device)
+    q, k, v = qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, torch.float32, device)
     ours = _check_fp32(q, k, v, None, head_dim ** -0.5, is_causal, use_lse)
     if is_causal and seqlen_q < seqlen_k:
         # Top-left alignment: key j is visible to query i iff j <= i, so keys past seqlen_q get nothing.
@@ -110,7 +103,7 @@ def test_matches_reference(case, device):
 def test_matches_sdpa_causal_alignment(device):
     """Same top-left causal alignment as F.scaled_dot_product_attention(is_causal=True) when seqlen_q != seqlen_k."""
     for seqlen_q, seqlen_k in ((11, 29), (29, 11)):
-        q, k, v = _qkv(1, 2, 2, seqlen_q, seqlen_k, 16, torch.float32, device)
+        q, k, v = qkv(1, 2, 2, seqlen_q, seqlen_k, 16, torch.float32, device)
         out, _ = attention_train_fwd(q, k, v, None, 0.3, True)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
                                    atol=1e-5, rtol=1e-5)
@@ -145,7 +138,7 @@ def _bias(name, device):
                                   "B11S_pad_min"])
 def test_bias(name, device):
     bias, is_causal, nheads_kv = _bias(name, device)
-    q, k, v = _qkv(B, H, nheads_kv, S, S, 16, torch.float32, device)
+    q, k, v = qkv(B, H, nheads_kv, S, S, 16, torch.float32, device)
     ours = _check_fp32(q, k, v, bias, 0.25, is_causal, use_lse=name == "1HSS_grad")
     assert (ours[5] is not None) == bias.requires_grad
 
@@ -155,7 +148,7 @@ def test_fully_masked_rows_no_nan(device):
     # Padding-style (batch, 1, 1, seqlen_k) bias: sequence 1 has no key at all, sequence 0 has 15.
     keep = torch.arange(S, device=device)[None, :] < torch.tensor([15, 0], device=device)[:, None]
     pad = torch.zeros(B, 1, 1, S, device=device).masked_fill(~keep[:, None, None, :], NEG_INF).requires_grad_()
-    q, k, v = _qkv(B, H, H, S, S, 16, torch.float32, device)
+    q, k, v = qkv(B, H, H, S, S, 16, torch.float32, device)
     out, lse, dq, dk, dv, dbias = _check_fp32(q, k, v, pad, 0.25, False, use_lse=True)
     for t in (out, dq, dk, dv, dbias):
         assert not t.isnan().any()
@@ -177,7 +170,7 @@ def test_rows_masked_by_finite_min(device):
     softmax spreads over their keys j <= i, as eager does. Backward: right when those rows' output
     gradient is 0 (padding, whose loss is ignored), the case the module docstring limits itself to."""
     pad = 10
-    q, k, v = _qkv(2, 2, 2, S, S, 16, torch.float32, device)
+    q, k, v = qkv(2, 2, 2, S, S, 16, torch.float32, device)
     bias = torch.zeros(1, 1, 1, S, device=device)
     bias[..., :pad] = FP32_MIN
     grad_out = torch.randn_like(q)
@@ -236,7 +229,7 @@ def _check_low_precision(q, k, v, bias, scale, is_causal, atol):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision(dtype, device):
-    q, k, v = _qkv(1, 4, 2, 37, 37, 24, dtype, device)
+    q, k, v = qkv(1, 4, 2, 37, 37, 24, dtype, device)
     bias = torch.randn(1, 4, 37, 37, dtype=dtype, device=device).requires_grad_()
     _check_low_precision(q, k, v, bias, 24 ** -0.5, dtype == torch.float16, atol=1e-3)
 
@@ -275,7 +268,7 @@ def test_every_gpu_tile_shape(blocks, device):
     """Each (BLOCK_M, BLOCK_N) of the GPU config lists, pinned: the causal diagonal, the partial blocks
     and the dS zero fill for rows above the diagonal cross differently for each."""
     seqlen_q, seqlen_k = 45, 37
-    q, k, v = _qkv(1, 2, 1, seqlen_q, seqlen_k, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 1, seqlen_q, seqlen_k, 16, torch.float32, device)
     bias = torch.randn(1, 2, seqlen_q, seqlen_k, device=device)
     grad_out = torch.randn_like(q)
     ref = _forward_backward(attention_train_ref, q, k, v, bias.clone().requires_grad_(), 0.25, True, grad_out, None)
@@ -325,7 +318,7 @@ def test_schemas():
 
 
 def _small(device, requires_grad=True):
-    _, k, v = _qkv(1, 2, 1, 11, 13, 16, torch.float32, device)
+    _, k, v = qkv(1, 2, 1, 11, 13, 16, torch.float32, device)
     q = torch.randn(1, 11, 2, 16, device=device).transpose(1, 2)  # the (batch, seqlen, heads, dim) layout
     bias = torch.randn(1, 2, 11, 13, device=device)
     return [t.requires_grad_(requires_grad) for t in (q, k, v, bias)]
@@ -369,7 +362,7 @@ def test_compile_fullgraph_dynamic(device):
     compiled = torch.compile(lambda *args: torch.ops.transfuse.attention_train(*args, 0.25, True),
                              backend="aot_eager", fullgraph=True, dynamic=True)
     for seqlen in (17, 23):
-        q, k, v = _qkv(1, 2, 1, seqlen, seqlen, 16, torch.float32, device)
+        q, k, v = qkv(1, 2, 1, seqlen, seqlen, 16, torch.float32, device)
         bias = torch.randn(1, 2, seqlen, seqlen, device=device).requires_grad_()
         grad_out = torch.randn_like(q)
         ours = _forward_backward(lambda *a: (compiled(*a[:4]), torch.zeros(())), q, k, v, bias, 0.25, True,
@@ -379,16 +372,16 @@ def test_compile_fullgraph_dynamic(device):
 
 
 def test_bad_arguments(device):
-    q, k, v = _qkv(1, 3, 2, 9, 9, 16, torch.float32, device)
+    q, k, v = qkv(1, 3, 2, 9, 9, 16, torch.float32, device)
     with pytest.raises(ValueError):  # 3 query heads over 2 kv heads
         attention_train_fwd(q, k, v, None, 0.25, False)
-    q, k, v = _qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
+    q, k, v = qkv(1, 2, 2, 9, 9, 16, torch.float32, device)
     with pytest.raises(TypeError):  # a bool mask must be converted by the caller
         attention_train_fwd(q, k, v, torch.ones(9, 9, dtype=torch.bool, device=device), 0.25, False)
     with pytest.raises(ValueError):
         attention_train_fwd(q, k, v, torch.zeros(3, 9, device=device), 0.25, False)
     with pytest.raises(ValueError):
-        attention_train_fwd(*_qkv(1, 2, 2, 9, 9, 320, torch.float32, device), None, 0.25, False)
+        attention_train_fwd(*qkv(1, 2, 2, 9, 9, 320, torch.float32, device), None, 0.25, False)
     with pytest.raises(ValueError):  # the unmasked blocks scale the row maximum: scale >= 0 only
         attention_train_fwd(q, k, v, None, -0.25, False)
 
@@ -419,7 +412,7 @@ GPU_CASES = [
                          + "-" + str(c[7])[6:])
 def test_gpu_matches_reference(case):
     batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, is_causal, dtype = case
-    q, k, v = _qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda")
+    q, k, v = qkv(batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda")
     _check_low_precision(q, k, v, None, head_dim ** -0.5, is_causal, GPU_ATOL[dtype])
 
 
@@ -428,7 +421,7 @@ def test_gpu_matches_reference(case):
                                          ("padding_inf", BF16), ("full_bias", FP16)])
 def test_gpu_bias(kind, dtype):
     batch, nheads, seqlen, head_dim = 2, 12, 512, 64
-    q, k, v = _qkv(batch, nheads, nheads, seqlen, seqlen, head_dim, dtype, "cuda")
+    q, k, v = qkv(batch, nheads, nheads, seqlen, seqlen, head_dim, dtype, "cuda")
     if kind == "t5_position_bias":  # (1, H, S, S), requires grad: dbias summed over the batch
         bias = torch.randn(1, nheads, seqlen, seqlen, dtype=dtype, device="cuda").requires_grad_()
     elif kind == "padding_inf":     # (B, 1, 1, S) with -inf, no grad, causal
@@ -442,7 +435,7 @@ def test_gpu_bias(kind, dtype):
 
 @pytest.mark.gpu
 def test_gpu_fp32():
-    q, k, v = _qkv(2, 4, 2, 257, 257, 80, torch.float32, "cuda")
+    q, k, v = qkv(2, 4, 2, 257, 257, 80, torch.float32, "cuda")
     bias = torch.randn(1, 4, 257, 257, device="cuda").requires_grad_()
     _check_fp32(q, k, v, bias, 80 ** -0.5, True, use_lse=True, atol=1e-4)
 
@@ -450,7 +443,7 @@ def test_gpu_fp32():
 @pytest.mark.gpu
 def test_gpu_deterministic():
     """No atomics: two backward passes give bitwise equal gradients."""
-    q, k, v = _qkv(2, 12, 4, 1024, 1024, 128, torch.bfloat16, "cuda")
+    q, k, v = qkv(2, 12, 4, 1024, 1024, 128, torch.bfloat16, "cuda")
     bias = torch.randn(1, 12, 1024, 1024, dtype=torch.bfloat16, device="cuda")
     out, lse = attention_train_fwd(q, k, v, bias, 0.125, True)
     grad_out = torch.randn_like(out)

@@ -15,24 +15,10 @@ from transfuse.kernels.norm import (
     norm_config,
     rms_norm_fwd,
 )
+from tests.kernels.norm_cases import DTYPES, SHAPES, default_device  # noqa: F401  (default_device: autouse fixture)
 from transfuse.reference.norm import add_layer_norm_ref, add_rms_norm_ref, layer_norm_ref, rms_norm_ref
 
 
-@pytest.fixture(autouse=True)
-def _default_device(device):
-    # the interpreter on CPU, compiled kernels where a GPU is present (on CPU, leave the default
-    # alone: the device mode slows the interpreter's many small tensor calls)
-    if device == "cpu":
-        yield
-        return
-    torch.set_default_device(device)
-    yield
-    torch.set_default_device(None)
-
-
-SHAPES = [(3, 37, 80), (5, 123), (1, 16)]
-# dtype, atol added to twice torch's own error against the fp32 reference
-DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
 # name: (weight dtype given x's dtype or None for no weight, weight_offset, cast_before_weight)
 RMS_FLAVOURS = {
     "llama": (lambda dt: dt, 0.0, True),

@@ -9,25 +9,12 @@ import torch.nn.functional as F
 
 import transfuse.ops.norm  # noqa: F401  (registers the ops)
 from transfuse.kernels.norm_backward import NormBwdConfig, layer_norm_bwd, norm_bwd_config, rms_norm_bwd
+from tests.kernels.norm_cases import DTYPES, SHAPES, default_device  # noqa: F401  (default_device: autouse fixture)
 from transfuse.reference.norm import add_layer_norm_ref, add_rms_norm_ref, layer_norm_ref, rms_norm_ref
 
 ops = torch.ops.transfuse
 
 
-@pytest.fixture(autouse=True)
-def _default_device(device):
-    # as in test_norm.py: leave CPU alone (the interpreter), default to the GPU where there is one
-    if device == "cpu":
-        yield
-        return
-    torch.set_default_device(device)
-    yield
-    torch.set_default_device(None)
-
-
-SHAPES = [(3, 37, 80), (5, 123), (1, 16)]
-# dtype, atol (relative to the gradient's largest magnitude) added to twice torch's own error
-DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
 # name: (weight dtype given x's dtype or None for no weight, weight_offset, cast_before_weight)
 RMS_FLAVOURS = {
     "llama": (lambda dt: dt, 0.0, True),

@@ -6,20 +6,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import transfuse.ops.norm  # noqa: F401  (registers the ops)
+from tests.kernels.norm_cases import default_device  # noqa: F401  (default_device: autouse fixture)
 from transfuse.reference.norm import add_layer_norm_ref, add_rms_norm_ref, layer_norm_ref, rms_norm_ref
 
 ops = torch.ops.transfuse
 
-
-@pytest.fixture(autouse=True)
-def _default_device(device):
-    # CPU tensors run the kernels in the interpreter; where a GPU is present the ops run there
-    if device == "cpu":
-        yield
-        return
-    torch.set_default_device(device)
-    yield
-    torch.set_default_device(None)
 
 SCHEMAS = {
     "layer_norm": "transfuse::layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
