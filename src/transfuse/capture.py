@@ -37,14 +37,19 @@ class _State:
         self.forward = None
         self.graph_breaks_at_start = _graph_breaks()
         self.eager_reason: str | None = None  # set when the model was handed back to eager (check_traces)
+        # Calls that traced since the last deliberate re-compile: a call whose forward has graph
+        # breaks makes several graphs, and counts once.
+        self.tracing_calls = 0
         # generate()'s default static cache (runtime/generation.py), or why the model keeps HF's cache.
         self.static_cache = None
         self.static_cache_reason: str | None = None
         self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
 
     def check_traces(self, original, max_traces: int) -> None:
-        """Past max_traces, the model runs as it was (see optimize()), with the reason on record."""
-        traces = len(self.backend.records)  # since the last deliberate re-compile (a changed model)
+        """Called after each call that traced: past max_traces such calls, the model runs as it was (see
+        optimize()), with the reason on record."""
+        self.tracing_calls += 1
+        traces = self.tracing_calls
         if traces <= max_traces:
             return
         from torch._dynamo.utils import guard_failures
@@ -55,11 +60,13 @@ class _State:
         firsts = [f.strip().splitlines()[0] for f in guard_failures.get(code, ()) if f.strip()]
         firsts = [ln for ln in firsts if re.match(r"\d+/\d+:", ln)]
         last = max(firsts, key=lambda ln: int(ln.split(":")[0].split("/")[1])) if firsts else "unknown"
-        self.eager_reason = (f"traced {traces} times (more than max_traces={max_traces}); the last guard that "
+        self.eager_reason = (f"traced {traces} times (more than max_traces={max_traces}; a call with graph breaks "
+                             f"counts once); the last guard that "
                              f"failed: {last[:200]}; the model now runs as it was")
         log.warning("transfuse: %s", self.eager_reason)
 
     def compile(self) -> None:
+        self.tracing_calls = 0
         if self.compiled is not None:
             self.backend = Backend(**self.backend.options)
             self.backend.pool = self.backends[-1].pool  # one memory pool per model

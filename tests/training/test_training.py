@@ -209,3 +209,34 @@ def test_loss_only_model_fuses_the_head_into_the_loss():
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, errors
     assert _rewrites(model)["LinearCrossEntropy"] == 1
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_training_equals_eager(family):
+    """T5: attention with its relative-position bias, whose gradient reaches the bias table; BART:
+    graph breaks in training mode (several graphs per call) and a padded encoder input."""
+    from tests.models.test_encoder_decoder_families import FAMILIES
+
+    config_cls, model_cls, config, _ = FAMILIES[family]
+    no_dropout = dict(dropout_rate=0.0) if family == "t5" else dict(dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config, **no_dropout)).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    labels = torch.randint(3, 97, (2, 5))
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # a key bias adds the same amount to every score of a row: its exact gradient is 0 (noise on both sides)
+    errors = {n: e for n, e in _grad_errors(model, reference).items() if "k.bias" not in n and "k_proj.bias" not in n}
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert model._transfuse_state.eager_reason is None
+    if family == "t5":
+        assert _rewrites(model)["TorchSDPA"] == 6
+        assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.abs().sum() > 0
