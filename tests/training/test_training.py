@@ -240,3 +240,19 @@ def test_encoder_decoder_training_equals_eager(family):
     if family == "t5":
         assert _rewrites(model)["TorchSDPA"] == 6
         assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["nanogpt", "llama"])
+def test_bf16_autocast_gradients_within_eager_bf16_error(family):
+    """Under torch.autocast(bf16) the gradients are as close to fp32's as eager bf16's are."""
+    model = {"nanogpt": _nanogpt, "llama": _llama}[family]()
+    fp32, eager = copy.deepcopy(model), copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 17))
+    transfuse.optimize(model)
+    _step(fp32, ids, ids)
+    for m in (eager, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _step(m, ids, ids)
+    ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
+    worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
+    assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
