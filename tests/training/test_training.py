@@ -256,3 +256,28 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family):
     ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
     worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
     assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma", "phi3"])
+def test_decoder_family_training_equals_eager(family):
+    """The registry's other decoder families (sliding window, Q/K/V bias, Gemma's 1 + weight norm,
+    Phi-3's fused projections and partial rotary)."""
+    from tests.models.test_decoder_families import FAMILIES
+
+    config_cls, model_cls, config, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).train()
+    model.loss_type = "ForCausalLM"
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (2, 9))
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(3)  # Phi-3's residual dropout
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert _rewrites(model)["RotaryPair"] == 2 and _rewrites(model)["CrossEntropy"] == 1
