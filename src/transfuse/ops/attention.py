@@ -1,4 +1,5 @@
-"""torch.ops.transfuse.attention and torch.ops.transfuse.attention_mask_summary (forward only, eval).
+"""torch.ops.transfuse.attention and torch.ops.transfuse.attention_mask_summary (forward only: training
+graphs use torch.ops.transfuse.attention_train, ops/attention_train.py).
 
     attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mask_summary, float scale,
               bool is_causal, bool masked_rows_zero, Tensor? key_len=None) -> Tensor
