@@ -281,3 +281,13 @@ def test_decoder_family_training_equals_eager(family):
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     assert _rewrites(model)["RotaryPair"] == 2 and _rewrites(model)["CrossEntropy"] == 1
+
+
+def test_padded_vocabulary_logits_come_back_contiguous():
+    model = _nanogpt()
+    transfuse.optimize(model)
+    ids = torch.randint(0, 97, (2, 8))
+    logits, loss = model(ids, ids)
+    assert _rewrites(model)["VocabPadding"] == 1
+    assert logits.shape == (2, 8, 97) and logits.is_contiguous()
+    logits.view(-1)  # as eager's logits allow

@@ -97,8 +97,12 @@ def _pad_vocab(ctx: PassContext, linear: fx.Node) -> None:
         full = graph.call_function(F.linear, (arg(linear, 0, "input"), padded_w, padded_b))
     with graph.inserting_after(full):
         cut = graph.call_function(operator.getitem, (full, (Ellipsis, slice(None, vocab))))
-    cut.meta["example_value"] = linear.meta.get("example_value")
-    linear.replace_all_uses_with(cut)
+    with graph.inserting_after(cut):
+        # The user gets the logits back: contiguous, as eager's are (a view of the padded GEMM output
+        # would refuse .view(-1) where eager's logits allow it): one copy of the logits.
+        dense = graph.call_method("contiguous", (cut,))
+    cut.meta["example_value"] = dense.meta["example_value"] = linear.meta.get("example_value")
+    linear.replace_all_uses_with(dense)
     graph.erase_node(linear)
     ctx.matched("VocabPadding")
 
