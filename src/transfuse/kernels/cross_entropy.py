@@ -411,7 +411,8 @@ def linear_cross_entropy_chunked(
     return loss, grad_x, grad_weight, grad_bias
 
 
-def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def count_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The rows whose target is not ignore_index, as an fp32 device scalar (the mean's denominator)."""
     # A device tensor, not a Python int: counting must not synchronise with the GPU.
     return (target != ignore_index).sum(dtype=torch.float32)
 
@@ -446,7 +447,7 @@ def linear_cross_entropy_fwd(
     if wants_grad and reduction == "none":
         raise ValueError("transfuse linear_cross_entropy: gradients in the forward pass need reduction "
                          "'mean' or 'sum'; for 'none' use linear_cross_entropy_bwd with the grad_output")
-    n_valid = _n_valid(target, ignore_index)
+    n_valid = count_valid(target, ignore_index)
     grad_scale = None
     if wants_grad:
         # 1/n_valid over all rows; clamped so that zero valid rows (all-zero gradients) give 0, not inf
@@ -493,7 +494,7 @@ def linear_cross_entropy_bwd(
                          f"reduction {reduction!r}, got {tuple(grad_output.shape)}")
     grad_scale = grad_output.float()
     if reduction == "mean":
-        grad_scale = grad_scale / _n_valid(target, ignore_index).clamp(min=1.0)
+        grad_scale = grad_scale / count_valid(target, ignore_index).clamp(min=1.0)
     _, grad_x, grad_weight, grad_bias = linear_cross_entropy_chunked(
         x, weight, bias, target, ignore_index, label_smoothing, pad_vocab_to, chunk_rows, grad_scale,
         needs_grad_x, needs_grad_weight, needs_grad_bias, config=config)

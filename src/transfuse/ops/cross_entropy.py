@@ -256,7 +256,7 @@ def _reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reducti
     if reduction == "sum":
         return rows.sum()
     # torch's mean over the rows not ignored: 0 / 0 = NaN when every row is ignored, as torch gives.
-    return rows.sum() / (target != ignore_index).sum()
+    return rows.sum() / kernels.count_valid(target, ignore_index)
 
 
 @cross_entropy.register_fake
@@ -271,10 +271,10 @@ def cross_entropy_backward(grad_output: torch.Tensor, logits: torch.Tensor, targ
                            label_smoothing: float, reduction: str) -> torch.Tensor:
     """d loss / d logits, in the logits' dtype: the kernel recomputes the row's softmax from the saved
     logits and writes the gradient over a copy of them (nothing but the logits is kept for backward)."""
-    grad = logits.contiguous().clone() if logits.is_contiguous() else logits.contiguous()
+    grad = logits.clone(memory_format=torch.contiguous_format)
     scale = grad_output.float()
     if reduction == "mean":
-        scale = scale / (target != ignore_index).sum()
+        scale = scale / kernels.count_valid(target, ignore_index)
     kernels.cross_entropy_fwd_inplace_grad(grad, target, logits.shape[1], ignore_index, label_smoothing,
                                            scale.contiguous())
     return grad

@@ -136,12 +136,10 @@ def _replace_with_sdpa(ctx: PassContext, spec: dict) -> None:
     graph = ctx.gm.graph
     out: fx.Node = spec["out"]
     with graph.inserting_before(out):
-        k = spec["k"]
-        if spec["k_transposed"]:
-            k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
-        new = graph.call_function(torch.nn.functional.scaled_dot_product_attention, (spec["q"], k, spec["v"]), dict(
-            attn_mask=_combined_mask(graph, spec), dropout_p=float(spec["dropout_p"]), is_causal=spec["is_causal"],
-            scale=float(spec["scale"])))
+        operands = (spec["q"], _keys(graph, spec), spec["v"])
+        settings = dict(attn_mask=_combined_mask(graph, spec), dropout_p=float(spec["dropout_p"]),
+                        is_causal=spec["is_causal"], scale=float(spec["scale"]))
+        new = graph.call_function(torch.nn.functional.scaled_dot_product_attention, operands, settings)
     new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)
@@ -404,10 +402,7 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
     q_meta = tensor_meta(spec["q"])
     three_d = q_meta.dim() == 3
     with graph.inserting_before(out):
-        q, k, v = spec["q"], spec["k"], spec["v"]
-        if spec["k_transposed"]:
-            # `q @ k.transpose(-2, -1)`: read k itself; anything else: a transposed view of it.
-            k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
+        q, k, v = spec["q"], _keys(graph, spec), spec["v"]
         if three_d:  # (batch*heads, seq, dim) -> (batch*heads, 1, seq, dim)
             q, k, v = (_view(graph, t, "unsqueeze", 1) for t in (q, k, v))
         else:
@@ -439,6 +434,15 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
             new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)
+
+
+def _keys(graph: fx.Graph, spec: dict) -> fx.Node:
+    """k as (..., seq_k, head_dim). `q @ k.transpose(-2, -1)`: read k itself; anything else: a
+    transposed view of what was multiplied."""
+    k = spec["k"]
+    if spec["k_transposed"]:
+        k = k.args[0] if is_last_two_transpose(k) else _view(graph, k, "transpose", -2, -1)
+    return k
 
 
 def _repeated_heads(node: fx.Node) -> fx.Node | None:

@@ -64,10 +64,8 @@ def _lm_head(logits: fx.Node, ce_input: fx.Node) -> fx.Node | None:
         if not chain.args or single_user(chain.args[0]) is not chain:
             return None
         chain = chain.args[0]
-    linear = logits
-    if kind(linear) in ("view", "reshape") and isinstance(linear.args[0], fx.Node) and single_user(linear.args[0]) is linear:
-        linear = linear.args[0]
-    return linear if kind(linear) == "linear" and single_user(linear) is not None else None
+    head = _head_of(logits)
+    return head if head is not None and single_user(head) is not None else None
 
 
 def _head_of(logits: fx.Node) -> fx.Node | None:
