@@ -21,15 +21,23 @@ FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **COMMON),
              {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_LIKE,
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4),
-                {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+                {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE,  # bias on Q, K, V
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4}),
+              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
-             {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4}),
+             {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 2}),
+}
+# family -> the cache and rotary matches of a decode step's trace (generate() on the default static
+# cache). Mistral's sliding-window cache retraces every step with no static write; Phi-3 concatenates
+# its (here empty) pass-through half onto the rotated keys, so no rotary_pair output reaches the write.
+_CACHE = ("RotaryPair", "KVCacheWrite", "RotaryCacheWrite", "CacheLengths")
+DECODE_GOLDEN = {
+    "gpt2": (0, 2, 0, 2), "llama": (2, 2, 2, 2), "mistral": (2, 0, 0, 0), "qwen2": (2, 2, 2, 2), "gemma": (2, 2, 2, 2),
+    "phi3": (2, 2, 0, 2),
 }
 
 
@@ -57,6 +65,8 @@ def test_family_logits_generate_and_matches(family):
     assert torch.equal(out, ref)
     first = model._transfuse_state.backend.records[0].rewrites
     assert dict(first) == FAMILIES[family][3]
+    step = model._transfuse_state.backend.records[-1].rewrites
+    assert tuple(step.get(name, 0) for name in _CACHE) == DECODE_GOLDEN[family]
 
 
 class NanoGPTBlock(torch.nn.Module):

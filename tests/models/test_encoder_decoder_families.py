@@ -18,14 +18,15 @@ FAMILIES = {
     # v1.0: ReLU FFN, tied head; relative-position bias added to every attention's scores
     "t5": ("T5Config", "T5ForConditionalGeneration",
            dict(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4, **COMMON),
-           {**ATTENTION, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10}),
+           {**ATTENTION, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10,
+            "RMSNormLinear": 10}),
     # v1.1 / flan: gated-GELU FFN (its gate and up merged, the GELU gate not fused), untied head, a head
     # dim that is not d_model / heads
     "t5-v1.1": ("T5Config", "T5ForConditionalGeneration",
                 dict(d_model=64, d_kv=24, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=3,
                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, **COMMON),
                 {**ATTENTION, "SiblingLinears": 9, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2,
-                 "ResidualRMSNorm": 10}),
+                 "ResidualRMSNorm": 10, "RMSNormLinear": 11}),
     # learned positions, post-norm, GELU
     "bart": ("BartConfig", "BartForConditionalGeneration",
              dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,

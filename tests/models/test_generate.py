@@ -52,6 +52,7 @@ def test_static_cache_generate_matches_eager():
     assert torch.equal(out, ref)
     text = transfuse.report(model)
     assert "writes into this input in place" in text and "KVCacheWrite" in text
+    assert "RotaryCacheWrite" in text  # rotary_pair + the write: one launch
 
 
 def test_default_static_cache_is_reused_and_user_caches_are_left_alone():

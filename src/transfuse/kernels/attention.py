@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
+from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
 
 # Block sizes of the mask summary; the attention kernel uses them whenever a summary is given.
 SUMMARY_BLOCK_M = 128
@@ -309,7 +309,9 @@ def _attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     # 1-D grid, query blocks of one (batch, head) adjacent: the programs resident at the same time
     # read the same K/V (and, with GQA, the heads of one group are adjacent too), so K/V come from L2.
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
@@ -458,8 +460,10 @@ def _attention_mask_summary_kernel(
     MASK_IS_BOOL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """One program per (batch, head, query block) of the summary: classify each key block, then the flags."""
+    wait_for_previous_kernel(PDL)
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
@@ -566,6 +570,7 @@ def attention_mask_summary_fwd(mask: torch.Tensor, seqlen_q: int, seqlen_k: int)
         # 8 warps: a 128 x 64 tile and its per-row reductions spill at 4 (ptxas, sm_90).
         num_warps=8,
         num_stages=1,
+        **pdl(mask),
     )
     return summary
 
@@ -680,6 +685,7 @@ def attention_fwd(
         MASKED_ROWS_ZERO=bool(masked_rows_zero),
         LOAD_AS_FP32=INTERPRET or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32 inputs ask for fp32 products, not tf32
+        **pdl(q),
     )
     if autotune:
         grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)  # noqa: E731

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from transfuse.kernels._config import pdl, wait_for_previous_kernel
+
 SINGLE_PROGRAM_ELEMENTS = 1 << 15
 BLOCK = 2048
 
@@ -40,7 +42,8 @@ def _has_inf(x_ptr, offs, n):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise, BLOCK: tl.constexpr):
+def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     offs = tl.arange(0, BLOCK)
     found = 0
     for start in range(0, n, BLOCK):
@@ -51,7 +54,8 @@ def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise
 
 
 @triton.jit(do_not_specialize=["n"])
-def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr):
+def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(flags_ptr + pid, _has_inf(x_ptr, offs, n).to(tl.int8))
@@ -59,7 +63,8 @@ def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n", "n_flags"])
 def _clamp_by_flags_kernel(x_ptr, out_ptr, flags_ptr, n, n_flags, bound_if_inf, bound_otherwise,
-                           BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     found = 0
     for start in range(0, n_flags, FLAG_BLOCK):
@@ -84,11 +89,11 @@ def clamp_if_inf_fwd(x: torch.Tensor, bound_if_inf: float, bound_otherwise: floa
         return out
     hi, lo = rounded_bound(bound_if_inf, x.dtype), rounded_bound(bound_otherwise, x.dtype)
     if n <= SINGLE_PROGRAM_ELEMENTS:
-        _clamp_if_inf_single_kernel[(1,)](src, out, n, hi, lo, BLOCK=BLOCK, num_warps=8)
+        _clamp_if_inf_single_kernel[(1,)](src, out, n, hi, lo, BLOCK=BLOCK, num_warps=8, **pdl(src))
         return out
     n_blocks = triton.cdiv(n, BLOCK)
     flags = torch.empty(n_blocks, dtype=torch.int8, device=x.device)
-    _inf_flags_kernel[(n_blocks,)](src, flags, n, BLOCK=BLOCK, num_warps=4)
+    _inf_flags_kernel[(n_blocks,)](src, flags, n, BLOCK=BLOCK, num_warps=4, **pdl(src))
     _clamp_by_flags_kernel[(n_blocks,)](src, out, flags, n, n_blocks, hi, lo, BLOCK=BLOCK, FLAG_BLOCK=1024,
-                                        num_warps=4)
+                                        num_warps=4, **pdl(src))
     return out

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
+from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu", "tanh", "silu", "silu_mul")
 
@@ -263,7 +263,9 @@ def _linear_fwd_kernel(
     SPLIT_EPILOGUE: tl.constexpr,  # run the epilogue on two (BLOCK_M, BLOCK_N / 2) halves
     DOT_PRECISION: tl.constexpr,  # fp32 inputs only: "ieee" unless the user allowed tf32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -364,8 +366,10 @@ def _linear_splitk_reduce_kernel(
     M, N, SPLIT_K,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Sums the SPLIT_K fp32 partial tiles in split order (deterministic) and applies the epilogue."""
+    wait_for_previous_kernel(PDL)
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -551,7 +555,7 @@ class EpilogueOperands:
             *self.part_args,
             *self.args,
             M, N, self.split_k,
-            **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+            **self.flags, BLOCK_M=block_m, BLOCK_N=block_n, **pdl(self.out),
         )
 
 
@@ -616,7 +620,7 @@ def linear_fwd(
         *epilogue.part_args,
         M, N, K, split_k, bucket,
     )
-    flags = dict(**epilogue.flags, DOT_PRECISION=_dot_precision(x.dtype), GROUP_M=_GROUP_M)
+    flags = dict(**epilogue.flags, DOT_PRECISION=_dot_precision(x.dtype), GROUP_M=_GROUP_M, **pdl(x2))
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)

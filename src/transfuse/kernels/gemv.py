@@ -54,8 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, tune_configs
+from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials, check_linear_args
+from transfuse.kernels.norm import _round_to
 
 GEMV_M_MAX = 16  # rows gemv_fwd takes
 GEMV_FAST_M_MAX = 2  # rows up to which it matched or beat cuBLAS on every Llama shape (see above)
@@ -178,6 +179,35 @@ def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constex
     return acc, acc_up
 
 
+@triton.jit
+def _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum,
+                     nres_ptr, stride_nres_m, nw_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
+                     NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+                     BF16_RNE_BY_HAND: tl.constexpr):
+    """rms_norm(x) or rms_norm(x + residual) of whole (BLOCK_M, 1, LANES, VEC) rows, rounded to x's
+    dtype and widened back to fp32: what transfuse.kernels.norm's kernel stores, by the same
+    operations (its fp32 sum of squares may associate differently: a last-bit difference in the
+    scale, at most an ulp in a normalised value). With a residual, the rounded sum is also stored
+    (by the programs for which `stores_sum`, rows that exist only)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    row_offs = rows[:, None, None, None]
+    x = tl.load(x_ptr + row_offs * stride_x_m + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if NORM_RESIDUAL:
+        res = tl.load(nres_ptr + row_offs * stride_nres_m + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        s = _round_to(x + res, DTYPE, BF16_RNE_BY_HAND)
+        tl.store(sum_ptr + row_offs * stride_sum_m + offs_k, s,
+                 mask=mask_k & row_ok[:, None, None, None] & stores_sum)
+        x = s.to(tl.float32)
+    mean_square = tl.sum(tl.sum(x * x, axis=3), axis=2) / K
+    y = x * tl.math.rsqrt(mean_square + eps)[:, :, None, None]
+    if NORM_WEIGHT:
+        if CAST_BEFORE_WEIGHT:
+            y = _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+        g = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32) + weight_offset
+        y = y * g
+    return _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+
+
 # M and the workspace strides unspecialised: a new row count within a bucket, or a split launch
 # beside an unsplit one, must not compile another kernel.
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
@@ -188,6 +218,10 @@ def _gemv_fwd_kernel(
     res_ptr, stride_res_m, stride_res_n,
     out_ptr, stride_out_m,
     part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
+    nres_ptr, stride_nres_m,  # the RMSNorm prologue's residual (NORM_RESIDUAL)
+    nw_ptr,  # its weight (NORM_WEIGHT)
+    sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
+    eps, weight_offset,
     M, N, K,
     SPLIT_K,
     ACTIVATION: tl.constexpr,
@@ -197,7 +231,14 @@ def _gemv_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # contiguous K elements a thread loads at once: 16 bytes
+    NORM: tl.constexpr = False,  # x is RMS-normalised first (one K step, unsplit: see norm_gemv_fwd)
+    NORM_RESIDUAL: tl.constexpr = False,
+    NORM_WEIGHT: tl.constexpr = False,
+    CAST_BEFORE_WEIGHT: tl.constexpr = False,
+    BF16_RNE_BY_HAND: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
     LANES: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
@@ -232,15 +273,28 @@ def _gemv_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, LANES), dtype=tl.float32)
     acc_up = acc
 
-    for _ in range(0, k_full, BLOCK_K):
-        acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, offs_k, GATED, False)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        w_up_ptrs += BLOCK_K
-    if k_full < k_end - k_start:
-        # the tail: fewer than BLOCK_K columns left
-        mask_k = offs_k < k_end - k_start - k_full
-        acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED, True)
+    if NORM:
+        # The whole row is in this one step (BLOCK_K >= K), so every program normalises its rows in
+        # registers, exactly as the unfused norm kernel would store them, and multiplies those.
+        mask_k = offs_k < K
+        x = _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0,
+                             nres_ptr, stride_nres_m, nw_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
+                             NORM_RESIDUAL, NORM_WEIGHT, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+        w = tl.load(w_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
+        acc += tl.sum(x * w.to(tl.float32), axis=3)
+        if GATED:
+            w_up = tl.load(w_up_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
+            acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
+    else:
+        for _ in range(0, k_full, BLOCK_K):
+            acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, offs_k, GATED, False)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            w_up_ptrs += BLOCK_K
+        if k_full < k_end - k_start:
+            # the tail: fewer than BLOCK_K columns left
+            mask_k = offs_k < k_end - k_start - k_full
+            acc, acc_up = _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED, True)
 
     acc = tl.sum(acc, axis=2)
     if GATED:
@@ -290,6 +344,83 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_M_M
             and rows <= min(max_rows, GEMV_M_MAX) and _weight_layout_ok(weight))
 
 
+class NormPrologue(NamedTuple):
+    """An RMSNorm that norm_gemv_fwd applies to x before the GEMV, as transfuse.rms_norm /
+    add_rms_norm define it: residual (same shape as x) or None, weight (K,) or None."""
+    residual: torch.Tensor | None
+    weight: torch.Tensor | None
+    eps: float
+    weight_offset: float
+    cast_before_weight: bool
+
+
+NORM_K_MAX = 8192  # the whole row is one K step in registers: 64 fp32 values a thread at 8 warps
+
+
+def norm_gemv_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue, max_rows: int = GEMV_FAST_M_MAX) -> bool:
+    """Whether norm_gemv_fwd takes this: gemv_applies, a row of at most NORM_K_MAX, 16-bit or fp32
+    tensors all of x's dtype (the normalised row is rounded to it, as the unfused op's output)."""
+    same = [t for t in (norm.residual, norm.weight) if t is not None]
+    return (gemv_applies(x, weight, max_rows) and x.shape[-1] <= NORM_K_MAX
+            and all(t.dtype == x.dtype and t.device == x.device for t in same)
+            and (norm.residual is None or norm.residual.shape == x.shape)
+            and (norm.weight is None or norm.weight.shape == (x.shape[-1],)))
+
+
+def norm_gemv_fwd(
+    x: torch.Tensor,
+    norm: NormPrologue,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(rms_norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or
+    s = x and an empty (0,) second output without a residual: the RMSNorm that feeds a linear, in
+    the GEMV's own launch. Every program normalises the rows itself (they are K <= NORM_K_MAX wide
+    and few), so the normalised activation never reaches memory and the norm costs no launch."""
+    if not norm_gemv_applies(x, weight, norm, GEMV_M_MAX):
+        raise ValueError("norm_gemv_fwd: x, the norm's residual and weight must share a dtype and device, "
+                         f"with at most {GEMV_M_MAX} rows of at most {NORM_K_MAX}: use the norm op and gemv_fwd")
+    N = check_linear_args(x, weight, bias, activation, None)
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if res2 is not None and res2.stride(1) != 1:
+        res2 = res2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
+    conf = default_config(M, N, K, _num_sms(x.device), activation == "silu_mul")
+    vec = min(conf.block_k, 16 // x.element_size())
+    # One K step holds the whole row; enough warps that a thread keeps at most 64 of its values.
+    block_k = max(next_power_of_2(K), conf.block_k)
+    num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
+    epilogue = EpilogueOperands(out, bias, None, activation, 1)
+    bucket = gemv_bucket(M)
+    _gemv_fwd_kernel[(triton.cdiv(N, conf.block_n), 1)](
+        x2, x2.stride(0),
+        weight, weight.stride(0),
+        *epilogue.args,
+        *epilogue.part_args,
+        res2 if res2 is not None else x2, res2.stride(0) if res2 is not None else 0,
+        norm.weight if norm.weight is not None else x2,
+        summed, summed.stride(0) if res2 is not None else 0,
+        float(norm.eps), float(norm.weight_offset),
+        M, N, K, 1,
+        **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=block_k, VEC=vec,
+        NORM=True, NORM_RESIDUAL=res2 is not None, NORM_WEIGHT=norm.weight is not None,
+        CAST_BEFORE_WEIGHT=norm.cast_before_weight,
+        BF16_RNE_BY_HAND=INTERPRET and x.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=1, **pdl(x2),
+    )
+    return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
+
+
 def gemv_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -335,10 +466,11 @@ def gemv_fwd(
         weight, weight.stride(0),
         *epilogue.args,
         *epilogue.part_args,
+        x2, 0, x2, x2, 0, 0.0, 0.0,  # no norm prologue: stand-ins, never read
         M, N, K, split_k,
         **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         VEC=min(conf.block_k, 16 // x.element_size()),
-        num_warps=conf.num_warps, num_stages=1,
+        num_warps=conf.num_warps, num_stages=1, **pdl(x2),
     )
     # all M rows in one row block (BLOCK_M = the bucket), as the GEMV kernel's programs hold them
     epilogue.reduce(bucket, _REDUCE_BLOCK_N)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2
+from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
 
 # A row must fit the registers of one program: at 65536 a 1024-thread program already holds 64 fp32
 # per thread and tensor. Hidden sizes of real transformers are well below (Llama-3 405B: 16384).
@@ -85,6 +85,27 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
     return x.to(DTYPE)
 
 
+@triton.jit
+def _layer_norm_rows(x, mask, cols, col_mask, n_cols, eps, weight_ptr, bias_ptr,
+                     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """LayerNorm of the fp32 rows x: (ROWS, BLOCK_N), zero outside `mask`; returns fp32, not yet
+    rounded to the output dtype. Shared by every kernel that ends in a LayerNorm (this file's and
+    kernels/embedding.py's) so that they all round the same way."""
+    mean = tl.sum(x, axis=1) / n_cols
+    # Two passes over registers, not sum(x^2) - mean^2: no cancellation when |mean| >> std.
+    x_centered = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(x_centered * x_centered, axis=1) / n_cols
+    rstd = tl.math.rsqrt(var + eps)
+    y = x_centered * rstd[:, None]
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * weight[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + bias[None, :]
+    return y
+
+
 @triton.jit(do_not_specialize=["n_rows", "size_d1"])  # row counts change with every input shape
 def _layer_norm_fwd_kernel(
     x_ptr, stride_x_d0, stride_x_d1,
@@ -100,7 +121,9 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     # Row r of the (n_rows, n_cols) view is x[r // size_d1, r % size_d1, :] of x seen as
     # (d0, d1, n_cols): two leading strides cover every layout that is not contiguous only
     # because of a transpose or a slice of the leading dims.
@@ -128,18 +151,7 @@ def _layer_norm_fwd_kernel(
             tl.store(sum_ptr + rows[:, None] * stride_sum_row + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
 
-    mean = tl.sum(x, axis=1) / n_cols
-    # Two passes over registers, not sum(x^2) - mean^2: no cancellation when |mean| >> std.
-    x_centered = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(x_centered * x_centered, axis=1) / n_cols
-    rstd = tl.math.rsqrt(var + eps)
-    y = x_centered * rstd[:, None]
-    if HAS_WEIGHT:
-        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y = y * weight[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y = y + bias[None, :]
+    y = _layer_norm_rows(x, mask, cols, col_mask, n_cols, eps, weight_ptr, bias_ptr, HAS_WEIGHT, HAS_BIAS)
     y = _round_to(y, out_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
     tl.store(out_ptr + rows[:, None] * stride_out_row + cols[None, :], y, mask=mask)
 
@@ -159,7 +171,9 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     # Row addressing as in _layer_norm_fwd_kernel.
     pid = tl.program_id(0)
     rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
@@ -348,6 +362,7 @@ def _norm_fwd(kind, x, residual, weight, bias, eps, weight_offset, cast_before_w
         "HAS_WEIGHT": weight is not None,
         "BF16_RNE_BY_HAND": INTERPRET and torch.bfloat16 in (x.dtype, out_dtype),
         "num_warps": config.num_warps,
+        **pdl(x),
     }
     residual_arg = residual if has_residual else x
     sum_arg = sum_out if store_sum else x

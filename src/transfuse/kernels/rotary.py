@@ -15,10 +15,35 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import next_power_of_2
+from transfuse.kernels._config import next_power_of_2, pdl, wait_for_previous_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit
+def _rotate(
+    x_ptr, cos_ptr, sin_ptr, b, h, s, ok,
+    stride_xb, stride_xh, stride_xs,
+    stride_cb, stride_ch, stride_cs,
+    stride_sb, stride_sh, stride_ss,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """x * cos + rotate_half(x) * sin in fp32 for rows (b, h, s) (int64 vectors) of x, masked by ok
+    (rows, BLOCK_D). Shared with the fused cache write (kernels/kv_cache.py), which stores elsewhere."""
+    cols = tl.arange(0, BLOCK_D)
+    first_half = cols < HALF
+    partner = tl.where(first_half, cols + HALF, cols - HALF)
+    sign = tl.where(first_half, -1.0, 1.0)
+
+    x_row = (b * stride_xb + h * stride_xh + s * stride_xs)[:, None]
+    x = tl.load(x_ptr + x_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + (b * stride_cb + h * stride_ch + s * stride_cs)[:, None] + cols[None, :],
+                  mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + (b * stride_sb + h * stride_sh + s * stride_ss)[:, None] + cols[None, :],
+                  mask=ok, other=0.0).to(tl.float32)
+    return x * cos + sign[None, :] * x_partner * sin
 
 
 @triton.jit
@@ -40,18 +65,8 @@ def _rotate_rows(
     b = bh // H
     cols = tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (cols < D)[None, :]
-    first_half = cols < HALF
-    partner = tl.where(first_half, cols + HALF, cols - HALF)
-    sign = tl.where(first_half, -1.0, 1.0)
-
-    x_row = (b * stride_xb + h * stride_xh + s * stride_xs)[:, None]
-    x = tl.load(x_ptr + x_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_ptr + x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + (b * stride_cb + h * stride_ch + s * stride_cs)[:, None] + cols[None, :],
-                  mask=ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + (b * stride_sb + h * stride_sh + s * stride_ss)[:, None] + cols[None, :],
-                  mask=ok, other=0.0).to(tl.float32)
-    out = x * cos + sign[None, :] * x_partner * sin
+    out = _rotate(x_ptr, cos_ptr, sin_ptr, b, h, s, ok, stride_xb, stride_xh, stride_xs,
+                  stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, HALF, BLOCK_D)
     tl.store(out_ptr + rows64[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -63,7 +78,9 @@ def _rotary_kernel(
     stride_cb, stride_ch, stride_cs,
     stride_sb, stride_sh, stride_ss,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
+    wait_for_previous_kernel(PDL)
     _rotate_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), n_rows, H, S,
                  stride_xb, stride_xh, stride_xs, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
                  D, HALF, BLOCK_D, BLOCK_R)
@@ -77,8 +94,10 @@ def _rotary_pair_kernel(
     stride_cqb, stride_cqh, stride_cqs, stride_sqb, stride_sqh, stride_sqs,
     stride_ckb, stride_ckh, stride_cks, stride_skb, stride_skh, stride_sks,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Q and K of one attention in one launch: the first q_blocks programs rotate Q, the rest K."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid < q_blocks:
         _rotate_rows(q_ptr, cos_ptr, sin_ptr, q_out_ptr, pid, q_rows, HQ, S,
@@ -136,7 +155,7 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     _rotary_kernel[grid](
         x, cos, sin, out, n_rows, H, S,
         x.stride(0), x.stride(1), x.stride(2), *cos_strides, *sin_strides,
-        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4, **pdl(x),
     )
     return out
 
@@ -175,6 +194,6 @@ def rotary_pair_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         q, k, cos_q, sin_q, q_out, k_out, q_blocks, q_rows, k_rows, HQ, HK, S,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         *cq, *sq, *ck, *sk,
-        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+        D=D, HALF=D // 2, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4, **pdl(q),
     )
     return q_out, k_out

@@ -348,6 +348,12 @@ def linear(
     residual: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) + residual; see the module docstring for shapes and dispatch."""
+    return linear_dispatch(x, weight, bias, activation, residual)
+
+
+def linear_dispatch(x, weight, bias, activation: str, residual) -> torch.Tensor:
+    """The op's body, for ops that end in a linear (transfuse.rms_norm_linear) to call without a
+    second trip through the dispatcher."""
     n_out = kernels.check_linear_args(x, weight, bias, activation, residual)
     choice = _choose(x, weight, bias, activation, residual, n_out)
     if choice.backend == "triton":

@@ -332,8 +332,9 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
         if declared is not None:  # an op with a schema says which arguments it writes (kv_cache_write)
             for i in declared:
                 arg = node.args[i] if i < len(node.args) else None
-                if isinstance(arg, fx.Node) and base.get(arg) is not None:
-                    written.add(placeholders[base[arg]])
+                for a in arg if isinstance(arg, (list, tuple)) else (arg,):  # a Tensor[] argument (_foreach_add_)
+                    if isinstance(a, fx.Node) and base.get(a) is not None:
+                        written.add(placeholders[base[a]])
             continue
         first = node.args[0]
         root = base.get(first) if isinstance(first, fx.Node) else None

@@ -3,7 +3,8 @@
 Order matters and is stated once, here: in-place arithmetic on temporaries is written out of place
 first and dropout is removed next, so that attention and epilogue chains are contiguous; attention before the GEMM passes (it consumes matmuls, not linears); sibling linears are
 merged before epilogues are fused; residual adds go to the norm kernel before the GEMM epilogue
-gets a chance at them (the norm kernel can also store the sum when something else reads it).
+gets a chance at them (the norm kernel can also store the sum when something else reads it); the
+embedding pass then folds an input layer's lookups and their sum into the norm those passes made.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import (attention, clamp, conv1d, cross_entropy, dropout, inplace, kv_cache, linear, merge_linears, norm, rms_norm,
-                                  rotary, written_layer_norm)
+    from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, inplace, kv_cache,
+                                  linear, merge_linears, norm, norm_linear, rms_norm, rotary, written_layer_norm)
 
     return [
         Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place", trains=True),
@@ -79,9 +80,12 @@ def registry() -> list[Pass]:
         Pass("merge_linears", merge_linears.run, "linears reading one input -> one GEMM (QKV)"),
         Pass("norm", norm.run, "layer norm, with the residual add feeding it -> transfuse norm ops", trains=True),
         Pass("written_layer_norm", written_layer_norm.run, "layer norm written out by hand, with its residual add -> transfuse norm ops", trains=True),
+        Pass("embedding", embedding.run, "embedding lookups summed into a layer norm -> transfuse.embedding_layer_norm"),
         Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops", trains=True),
         Pass("cross_entropy", cross_entropy.run, "the LM loss (and its head when nothing else reads the logits) -> transfuse.cross_entropy", trains=True),
         Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear"),
+        Pass("norm_linear", norm_linear.run, "an RMSNorm and the one linear reading it -> transfuse.rms_norm_linear"),
+        Pass("cache_length", cache_length.run, "every layer's cache-length add_ -> one _foreach_add_ at the end"),
     ]
 
 

@@ -240,6 +240,13 @@ class _Analysis:
         elif name in ("embedding",):
             self.refuse(self.dim_syms(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"), 0), node, "looks up a padded table")
             self.refuse(self.counts.get(node.args[0], set()), node, "looks up positions counted along it")
+        elif name == "transfuse.embedding_layer_norm":  # lookups as above, then a norm over the hidden dim
+            indices, tables = node.args[0], node.args[1]
+            for table in tables:
+                self.refuse(self.dim_syms(table, 0), node, "looks up a padded table")
+            for idx in indices:
+                self.refuse(self.counts.get(idx, set()), node, "looks up positions counted along it")
+            self.refuse(self.dim_syms(node, -1), node, "normalises over a padded dimension")
         elif name == "gather":
             self._gather(node)
         elif name in _PREFIX:
@@ -263,6 +270,8 @@ class _Analysis:
         elif name in ("linear", "transfuse.linear"):
             self.refuse(self.dim_syms(node.args[0], -1), node, "contracts over a padded dimension")
         elif name in _NORMS:
+            self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
+        elif name == "transfuse.rms_norm_linear":  # a norm, then a linear, both over the last dim
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
         elif name in ("conv1d", "conv2d", "conv3d"):  # images and audio: samples of a batch stay apart
             src = node.args[0]
