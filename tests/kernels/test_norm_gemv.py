@@ -92,3 +92,4 @@ def test_norm_gemv_gpu(dtype, M, K, N, activation):
     assert torch.equal(summed, ref_sum)
     scale = ref.float().abs().max().item()
     assert (out.float() - ref.float()).abs().max().item() <= (2e-3 if dtype == torch.float16 else 1e-2) * scale
+

@@ -309,7 +309,7 @@ def _attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     # 1-D grid, query blocks of one (batch, head) adjacent: the programs resident at the same time
@@ -460,7 +460,7 @@ def _attention_mask_summary_kernel(
     MASK_IS_BOOL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """One program per (batch, head, query block) of the summary: classify each key block, then the flags."""
     wait_for_previous_kernel(PDL)

@@ -42,7 +42,7 @@ def _has_inf(x_ptr, offs, n):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     wait_for_previous_kernel(PDL)
     offs = tl.arange(0, BLOCK)
     found = 0
@@ -54,7 +54,7 @@ def _clamp_if_inf_single_kernel(x_ptr, out_ptr, n, bound_if_inf, bound_otherwise
 
 
 @triton.jit(do_not_specialize=["n"])
-def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -63,7 +63,7 @@ def _inf_flags_kernel(x_ptr, flags_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexp
 
 @triton.jit(do_not_specialize=["n", "n_flags"])
 def _clamp_by_flags_kernel(x_ptr, out_ptr, flags_ptr, n, n_flags, bound_if_inf, bound_otherwise,
-                           BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK: tl.constexpr, FLAG_BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     found = 0

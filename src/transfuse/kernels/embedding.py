@@ -72,7 +72,7 @@ def _embedding_layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     # Row r is position (r // size_d1, r % size_d1) of the broadcast index grid; an index broadcast

@@ -263,7 +263,7 @@ def _linear_fwd_kernel(
     SPLIT_EPILOGUE: tl.constexpr,  # run the epilogue on two (BLOCK_M, BLOCK_N / 2) halves
     DOT_PRECISION: tl.constexpr,  # fp32 inputs only: "ieee" unless the user allowed tf32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
@@ -366,7 +366,7 @@ def _linear_splitk_reduce_kernel(
     M, N, SPLIT_K,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Sums the SPLIT_K fp32 partial tiles in split order (deterministic) and applies the epilogue."""
     wait_for_previous_kernel(PDL)

@@ -236,9 +236,8 @@ def _gemv_fwd_kernel(
     NORM_WEIGHT: tl.constexpr = False,
     CAST_BEFORE_WEIGHT: tl.constexpr = False,
     BF16_RNE_BY_HAND: tl.constexpr = False,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
-    wait_for_previous_kernel(PDL)
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
     LANES: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
@@ -269,6 +268,7 @@ def _gemv_fwd_kernel(
     w_ptrs = w_ptr + cols[None, :, None, None] * stride_w_n + (k_start + offs_k)
     # the up rows start N rows below the gate rows (int64: N * stride can pass 2**31)
     w_up_ptrs = w_ptr + (cols + N)[None, :, None, None] * stride_w_n + (k_start + offs_k)
+    wait_for_previous_kernel(PDL)
     # Partial sums per lane: the cross-lane (and cross-warp) sum runs once, after the loop.
     acc = tl.zeros((BLOCK_M, BLOCK_N, LANES), dtype=tl.float32)
     acc_up = acc

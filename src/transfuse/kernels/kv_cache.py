@@ -53,7 +53,7 @@ def _kv_cache_write_kernel(
     stride_keys_b, stride_keys_h, stride_keys_s, stride_values_b, stride_values_h, stride_values_s,
     stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """The first k_blocks programs write keys, the rest values."""
     wait_for_previous_kernel(PDL)
@@ -99,7 +99,7 @@ def _rotary_kv_cache_write_kernel(
     stride_cos_q_b, stride_cos_q_h, stride_cos_q_s, stride_sin_q_b, stride_sin_q_h, stride_sin_q_s,
     stride_cos_k_b, stride_cos_k_h, stride_cos_k_s, stride_sin_k_b, stride_sin_k_h, stride_sin_k_s,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Programs [0, q_blocks) rotate q, the next k_blocks rotate k into keys, the last k_blocks write
     v into values."""

@@ -121,7 +121,7 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     # Row r of the (n_rows, n_cols) view is x[r // size_d1, r % size_d1, :] of x seen as
@@ -171,7 +171,7 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     # Row addressing as in _layer_norm_fwd_kernel.

@@ -78,7 +78,7 @@ def _rotary_kernel(
     stride_cb, stride_ch, stride_cs,
     stride_sb, stride_sh, stride_ss,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
     _rotate_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), n_rows, H, S,
@@ -94,7 +94,7 @@ def _rotary_pair_kernel(
     stride_cqb, stride_cqh, stride_cqs, stride_sqb, stride_sqh, stride_sqs,
     stride_ckb, stride_ckh, stride_cks, stride_skb, stride_skh, stride_sks,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_config.pdl)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Q and K of one attention in one launch: the first q_blocks programs rotate Q, the rest K."""
     wait_for_previous_kernel(PDL)
