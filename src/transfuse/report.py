@@ -43,8 +43,10 @@ def node_flops(node: fx.Node) -> float:
     target = str(node.target)
     if node.op != "call_function" and node.op != "call_method":
         return 0.0
-    if kind(node) == "linear" or target.startswith("transfuse.linear"):
-        x, w = tensor_meta(node.args[0]), tensor_meta(node.args[1])
+    if kind(node) == "linear" or target.startswith(("transfuse.linear", "transfuse.rms_norm_linear")):
+        # rms_norm_linear(x, residual, norm_weight, eps, offset, cast, weight, ...): its GEMM's weight is arg 6
+        w_index = 6 if target.startswith("transfuse.rms_norm_linear") else 1
+        x, w = tensor_meta(node.args[0]), tensor_meta(node.args[w_index])
         if x is None or w is None:
             return 0.0
         return 2.0 * _numel(x) / _dims(x)[-1] * w.shape[0] * w.shape[1]
