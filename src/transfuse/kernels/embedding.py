@@ -36,6 +36,7 @@ from transfuse.kernels.norm import (
     _layer_norm_rows,
     _round_to,
     norm_config,
+    program_rows,
 )
 
 MAX_LOOKUPS = 4  # BERT has 3; the kernel has one pointer slot per lookup
@@ -77,15 +78,8 @@ def _embedding_layer_norm_fwd_kernel(
     wait_for_previous_kernel(PDL)
     # Row r is position (r // size_d1, r % size_d1) of the broadcast index grid; an index broadcast
     # along a dim has stride 0 there (positions (1, S) against ids (B, S)).
-    pid = tl.program_id(0)
-    rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-    row_mask = rows < n_rows
-    rows_d0 = (rows // size_d1).to(tl.int64)
-    rows_d1 = (rows % size_d1).to(tl.int64)
-    rows = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    rows, rows_d0, rows_d1, row_mask, cols, col_mask, mask = program_rows(n_rows, size_d1, n_cols, BLOCK_N,
+                                                                          ROWS_PER_PROGRAM)
 
     x, in_range = _gather_rows(idx0_ptr, stride_idx0_d0, stride_idx0_d1, table0_ptr, stride_table0_row,
                                num_embeddings0, rows_d0, rows_d1, row_mask, cols, col_mask)

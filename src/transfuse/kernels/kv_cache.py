@@ -30,17 +30,24 @@ _ELEMENTS_PER_PROGRAM = 4096
 
 
 @triton.jit
-def _write_rows(cache_ptr, new_ptr, start, block, n_rows, H, n, L,
-                stride_cb, stride_ch, stride_cs, stride_nb, stride_nh, stride_ns,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _cache_rows(start, block, n_rows, H, n, L, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [block * BLOCK_R, +BLOCK_R) of the new entries seen as (B * H * n, D): their batch, head,
+    index i among the new entries and cache position start + i (int64), the columns, and the mask
+    (rows that exist, positions inside the cache, columns < D)."""
     rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     i = rows % n
     bh = rows // n
-    h = bh % H
-    b = bh // H
     pos = start + i
     cols = tl.arange(0, BLOCK_D)
     ok = ((rows < n_rows) & (pos < L))[:, None] & (cols < D)[None, :]
+    return bh // H, bh % H, i, pos, cols, ok
+
+
+@triton.jit
+def _write_rows(cache_ptr, new_ptr, start, block, n_rows, H, n, L,
+                stride_cb, stride_ch, stride_cs, stride_nb, stride_nh, stride_ns,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    b, h, i, pos, cols, ok = _cache_rows(start, block, n_rows, H, n, L, D, BLOCK_D, BLOCK_R)
     src = tl.load(new_ptr + (b * stride_nb + h * stride_nh + i * stride_ns)[:, None] + cols[None, :], mask=ok)
     tl.store(cache_ptr + (b * stride_cb + h * stride_ch + pos * stride_cs)[:, None] + cols[None, :],
              src.to(cache_ptr.dtype.element_ty), mask=ok)
@@ -75,14 +82,7 @@ def _rotate_rows_into_cache(cache_ptr, k_ptr, cos_ptr, sin_ptr, start, block, n_
                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """_write_rows of rotary(k): k's rows rotated by the rotary kernel's own helper (same fp32 math),
     rounded once to the cache's dtype (k's, checked), stored at start + i."""
-    rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    i = rows % n
-    bh = rows // n
-    h = bh % H
-    b = bh // H
-    pos = start + i
-    cols = tl.arange(0, BLOCK_D)
-    ok = ((rows < n_rows) & (pos < L))[:, None] & (cols < D)[None, :]
+    b, h, i, pos, cols, ok = _cache_rows(start, block, n_rows, H, n, L, D, BLOCK_D, BLOCK_R)
     out = _rotate(k_ptr, cos_ptr, sin_ptr, b, h, i, ok, stride_kb, stride_kh, stride_ks,
                   stride_cosb, stride_cosh, stride_coss, stride_sinb, stride_sinh, stride_sins, HALF, BLOCK_D)
     tl.store(cache_ptr + (b * stride_cb + h * stride_ch + pos * stride_cs)[:, None] + cols[None, :],

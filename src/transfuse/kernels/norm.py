@@ -106,6 +106,21 @@ def _layer_norm_rows(x, mask, cols, col_mask, n_cols, eps, weight_ptr, bias_ptr,
     return y
 
 
+@triton.jit
+def program_rows(n_rows, size_d1, n_cols, BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+    """This program's rows of a (d0, d1) row grid and its columns: (rows, rows_d0, rows_d1, row_mask,
+    cols, col_mask, mask), row indices int64. Row r is position (r // size_d1, r % size_d1), so two
+    leading strides address any layout whose leading dims do not collapse (shared with embedding.py)."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    row_mask = rows < n_rows
+    rows_d0 = (rows // size_d1).to(tl.int64)
+    rows_d1 = (rows % size_d1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    return rows.to(tl.int64), rows_d0, rows_d1, row_mask, cols, col_mask, row_mask[:, None] & col_mask[None, :]
+
+
 @triton.jit(do_not_specialize=["n_rows", "size_d1"])  # row counts change with every input shape
 def _layer_norm_fwd_kernel(
     x_ptr, stride_x_d0, stride_x_d1,
@@ -127,15 +142,8 @@ def _layer_norm_fwd_kernel(
     # Row r of the (n_rows, n_cols) view is x[r // size_d1, r % size_d1, :] of x seen as
     # (d0, d1, n_cols): two leading strides cover every layout that is not contiguous only
     # because of a transpose or a slice of the leading dims.
-    pid = tl.program_id(0)
-    rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-    row_mask = rows < n_rows
-    rows_d0 = (rows // size_d1).to(tl.int64)
-    rows_d1 = (rows % size_d1).to(tl.int64)
-    rows = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    rows, rows_d0, rows_d1, row_mask, cols, col_mask, mask = program_rows(n_rows, size_d1, n_cols, BLOCK_N,
+                                                                          ROWS_PER_PROGRAM)
 
     x_ptrs = x_ptr + (rows_d0 * stride_x_d0 + rows_d1 * stride_x_d1)[:, None] + cols[None, :]
     # Statistics in fp32 whatever the input dtype: an fp16 sum over a 4096-wide row overflows or
@@ -175,15 +183,8 @@ def _rms_norm_fwd_kernel(
 ):
     wait_for_previous_kernel(PDL)
     # Row addressing as in _layer_norm_fwd_kernel.
-    pid = tl.program_id(0)
-    rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-    row_mask = rows < n_rows
-    rows_d0 = (rows // size_d1).to(tl.int64)
-    rows_d1 = (rows % size_d1).to(tl.int64)
-    rows = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    rows, rows_d0, rows_d1, row_mask, cols, col_mask, mask = program_rows(n_rows, size_d1, n_cols, BLOCK_N,
+                                                                          ROWS_PER_PROGRAM)
 
     x_ptrs = x_ptr + (rows_d0 * stride_x_d0 + rows_d1 * stride_x_d1)[:, None] + cols[None, :]
     # Sum of squares in fp32: in fp16 it overflows (65504) as soon as a row of 4096 holds values
