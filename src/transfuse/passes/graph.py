@@ -347,6 +347,12 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
     return written
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether the node may write one of its arguments in place: an in-place name (`add_`, `x += y`)
+    or a schema that declares a written argument (transfuse.kv_cache_write, aten's foreach ops)."""
+    return _writes_first_arg(node) or bool(_written_by_schema(node))
+
+
 def _written_by_schema(node: fx.Node) -> list[int] | None:
     """The positions of the arguments an op's schema declares written; None for a target without one."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None

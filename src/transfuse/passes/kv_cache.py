@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import _writes_first_arg, _written_by_schema, node_order, tensor_meta
+from transfuse.passes.graph import node_order, tensor_meta, writes_in_place
 from transfuse.passes.manager import PassContext
 
 PATTERN = "KVCacheWrite"
@@ -112,7 +112,7 @@ def _clash(graph: fx.Graph, pair: fx.Node, write: fx.Node, cache, start) -> fx.N
         inputs = node.all_input_nodes
         if any(a in cache for a in inputs):
             return node
-        if (_writes_first_arg(node) or _written_by_schema(node)) and any(a in position for a in inputs):
+        if writes_in_place(node) and any(a in position for a in inputs):
             return node
         node = node.next
     return None
