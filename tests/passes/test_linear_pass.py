@@ -55,3 +55,38 @@ def test_activation_by_meaning(name):
     # The second GEMM takes the residual in its epilogue.
     residuals = [n.args[4] for n in graph.graph.nodes if str(n.target).startswith("transfuse.linear")]
     assert residuals[0] is None and residuals[1] is not None
+
+
+class Conv1DMLP(torch.nn.Module):
+    """GPT-2's MLP as its Conv1D writes it: addmm on flattened rows, viewed back to (batch, seq, N)
+    before the activation and the residual add."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+        self.w_fc, self.b_fc = torch.nn.Parameter(torch.randn(24, 40) / 5), torch.nn.Parameter(torch.randn(40))
+        self.w_proj, self.b_proj = torch.nn.Parameter(torch.randn(40, 24) / 6), torch.nn.Parameter(torch.randn(24))
+
+    @staticmethod
+    def conv1d(x, w, b):
+        out = torch.addmm(b, x.view(-1, x.size(-1)), w)
+        return out.view(x.size()[:-1] + (w.size(-1),))
+
+    def forward(self, x):
+        h = self.act(self.conv1d(x, self.w_fc, self.b_fc))
+        return x + self.conv1d(h, self.w_proj, self.b_proj)
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "relu", "not_an_activation"])
+def test_activation_and_residual_after_the_row_view(name):
+    fn, expected = ACTS[name]
+    model = Conv1DMLP(fn).eval()
+    x = torch.randn(3, 5, 24)
+    ref, out, rewrites, _ = eager_then_optimized(model, x)
+    assert rel_err(out, ref) < 1e-5
+    graph = model._transfuse_state.backend.graphs[0].graph
+    linears = [n for n in graph.nodes if str(n.target).startswith("transfuse.linear")]
+    assert [n.args[3] for n in linears] == [expected or "none", "none"]
+    assert linears[1].args[4] is not None  # the residual, reshaped to the linear's rows
+    leftover = [n for n in graph.nodes if n.op == "call_function" and "tanh" in str(n.target)]
+    assert not leftover or expected is None

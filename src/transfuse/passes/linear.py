@@ -53,10 +53,19 @@ def run(ctx: PassContext) -> None:
             gated.replace_all_uses_with(new)
             ctx.matched(GATED)
             continue
-        activation, last = _activation(node)
-        residual, last = _residual(last, node)
+        view = _row_view(node)
+        activation, last = _activation(view or node)
+        residual, last = _residual(last, view or node)
+        if last is view:  # nothing to fuse after the view
+            view, last = None, node
         with graph.inserting_before(last):
+            if view is not None and residual is not None:
+                residual = _flat_residual(graph, residual, node)
             new = graph.call_function(torch.ops.transfuse.linear.default, (x, weight, bias, activation, residual))
+            if view is not None:
+                # the epilogue ran on the linear's own rows: view its result as the model did
+                new.meta["example_value"] = node.meta.get("example_value")
+                new = graph.call_method(view.target, (new, *view.args[1:]), dict(view.kwargs))
         new.meta["example_value"] = last.meta.get("example_value")
         last.replace_all_uses_with(new)
         ctx.matched(PATTERN)
@@ -216,7 +225,34 @@ def _evaluate(region: list[fx.Node], start: fx.Node, exit_node: fx.Node, probe: 
     return env[exit_node]
 
 
+def _row_view(linear: fx.Node) -> fx.Node | None:
+    """The linear's only user when it is a view or reshape that keeps the last dimension (GPT-2's
+    Conv1D views its (rows, N) addmm result back to (batch, seq, N) before the activation and the
+    residual add): element-wise epilogues commute with it, so they are looked for after it."""
+    users = list(linear.users)
+    if len(users) != 1 or kind(users[0]) not in ("view", "reshape") or users[0].args[0] is not linear:
+        return None
+    before, after = tensor_meta(linear), tensor_meta(users[0])
+    if before is None or after is None or after.dim() == 0 or not same_shape(before.shape[-1:], after.shape[-1:]):
+        return None
+    return users[0]
+
+
+def _flat_residual(graph: fx.Graph, residual: fx.Node, linear: fx.Node) -> fx.Node:
+    """The residual, shaped like the view, reshaped to the linear's own (rows, N) (only a 2-D
+    linear's residual passes the view: see _residual)."""
+    flat = graph.call_method("reshape", (residual, -1, tensor_meta(linear).shape[-1]))
+    flat.meta["example_value"] = tensor_meta(residual).reshape(tensor_meta(linear).shape)
+    return flat
+
+
 def _residual(last: fx.Node, linear: fx.Node) -> tuple[fx.Node | None, fx.Node]:
+    """(residual, add node) when `last` feeds one residual add of its own shape, else (None, last).
+    `linear` may be the linear's row view (_row_view) when the linear is 2-D with a fixed N."""
+    if kind(linear) in ("view", "reshape"):
+        rows = tensor_meta(linear.args[0])
+        if rows is None or rows.dim() != 2 or not isinstance(rows.shape[-1], int):
+            return None, last
     users = list(last.users)
     if len(users) != 1 or kind(users[0]) != "add" or arg(users[0], 2, "alpha", 1) != 1:
         return None, last
