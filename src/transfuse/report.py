@@ -43,9 +43,11 @@ def node_flops(node: fx.Node) -> float:
     target = str(node.target)
     if node.op != "call_function" and node.op != "call_method":
         return 0.0
-    if kind(node) == "linear" or target.startswith(("transfuse.linear", "transfuse.rms_norm_linear")):
-        # rms_norm_linear(x, residual, norm_weight, eps, offset, cast, weight, ...): its GEMM's weight is arg 6
-        w_index = 6 if target.startswith("transfuse.rms_norm_linear") else 1
+    if kind(node) == "linear" or target.startswith(("transfuse.linear", "transfuse.rms_norm_linear",
+                                                     "transfuse.layer_norm_linear")):
+        # rms_norm_linear(x, residual, norm_weight, eps, offset, cast, weight, ...): its GEMM's weight is
+        # arg 6; layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, ...): arg 5
+        w_index = {"transfuse.rms_norm_linear": 6, "transfuse.layer_norm_linear": 5}.get(target.split(".default")[0], 1)
         x, w = tensor_meta(node.args[0]), tensor_meta(node.args[w_index])
         if x is None or w is None:
             return 0.0

@@ -77,14 +77,13 @@ def test_gemv_weight_row_slice():
     assert_within_torch_error(out, (x, weight, bias, None), "silu", 1e-3)
 
 
-def test_gemv_refuses_transposed_weight():
-    # an (N, K) view of a (K, N) tensor would be read through shared-memory conversions, slower
-    # than cuBLAS on the same view: refused, with the fix in the message
+def test_gemv_takes_transposed_weight_through_its_kmajor_kernel():
+    # an (N, K) view of a (K, N) tensor (Conv1D's storage) runs kernels/gemv_kmajor.py, whose own
+    # tests cover it; here only the routing
     weight = torch.randn(100, 40).t()
     x = torch.randn(3, 100)
-    assert not gemv_applies(x, weight)
-    with pytest.raises(ValueError, match=r"weight.contiguous\(\)"):
-        gemv_fwd(x, weight)
+    assert gemv_applies(x, weight)
+    assert_within_torch_error(gemv_fwd(x, weight), (x, weight, None, None), "none", 1e-5)
 
 
 def test_gemv_strided_x():
@@ -125,6 +124,7 @@ def test_gemv_applies():
     assert not gemv_applies(torch.randn(3, 100).double(), w.double())
     assert not gemv_applies(torch.randn(3, 100), w.half())
     assert not gemv_applies(torch.randn(3, 100), torch.randn(40, 200)[:, ::2])
+    assert gemv_applies(torch.randn(3, 100), torch.randn(100, 40).t())  # (K, N) storage
     assert gemv_applies(torch.randn(2, 100), w, max_rows=kernels.GEMV_FAST_M_MAX)
     assert not gemv_applies(torch.randn(4, 100), w, max_rows=kernels.GEMV_FAST_M_MAX)
 

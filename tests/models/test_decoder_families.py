@@ -19,7 +19,8 @@ LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 # family -> (config class, model class, config, golden rewrites of the prompt's trace)
 FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **COMMON),
-             {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5}),
+             {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5,
+              "LayerNormLinear": 4}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_LIKE,
               {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4),

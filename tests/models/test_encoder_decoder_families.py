@@ -31,7 +31,7 @@ FAMILIES = {
     "bart": ("BartConfig", "BartForConditionalGeneration",
              dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                   encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, forced_eos_token_id=None, **COMMON),
-             {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1}),
+             {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1, "LayerNormLinear": 1}),
 }
 
 

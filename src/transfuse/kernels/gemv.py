@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from transfuse.kernels import gemv_kmajor
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials, check_linear_args
 from transfuse.kernels.norm import _round_to
@@ -180,15 +181,15 @@ def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constex
 
 
 @triton.jit
-def _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum,
-                     nres_ptr, stride_nres_m, nw_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
-                     NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-                     BF16_RNE_BY_HAND: tl.constexpr):
-    """rms_norm(x) or rms_norm(x + residual) of whole (BLOCK_M, 1, LANES, VEC) rows, rounded to x's
-    dtype and widened back to fp32: what transfuse.kernels.norm's kernel stores, by the same
-    operations (its fp32 sum of squares may associate differently: a last-bit difference in the
-    scale, at most an ulp in a normalised value). With a residual, the rounded sum is also stored
-    (by the programs for which `stores_sum`, rows that exist only)."""
+def _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum,
+                 nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
+                 NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr,
+                 LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
+    """rms_norm or layer_norm of x or of x + residual, for whole (BLOCK_M, 1, LANES, VEC) rows,
+    rounded to x's dtype and widened back to fp32: what transfuse.kernels.norm's kernels store, by
+    the same operations (their fp32 sums may associate differently: a last-bit difference in the
+    statistics, at most an ulp in a normalised value). With a residual, the rounded sum is also
+    stored (by the programs for which `stores_sum`, rows that exist only)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     row_offs = rows[:, None, None, None]
     x = tl.load(x_ptr + row_offs * stride_x_m + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -198,6 +199,10 @@ def _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum
         tl.store(sum_ptr + row_offs * stride_sum_m + offs_k, s,
                  mask=mask_k & row_ok[:, None, None, None] & stores_sum)
         x = s.to(tl.float32)
+    if LAYER_NORM:
+        # two passes over registers, as kernels.norm._layer_norm_rows
+        mean = tl.sum(tl.sum(x, axis=3), axis=2) / K
+        x = tl.where(mask_k, x - mean[:, :, None, None], 0.0)
     mean_square = tl.sum(tl.sum(x * x, axis=3), axis=2) / K
     y = x * tl.math.rsqrt(mean_square + eps)[:, :, None, None]
     if NORM_WEIGHT:
@@ -205,6 +210,8 @@ def _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum
             y = _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
         g = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32) + weight_offset
         y = y * g
+    if NORM_BIAS:
+        y = y + tl.load(nb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     return _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
 
 
@@ -219,7 +226,7 @@ def _gemv_fwd_kernel(
     out_ptr, stride_out_m,
     part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
     nres_ptr, stride_nres_m,  # the RMSNorm prologue's residual (NORM_RESIDUAL)
-    nw_ptr,  # its weight (NORM_WEIGHT)
+    nw_ptr, nb_ptr,  # its weight (NORM_WEIGHT) and bias (NORM_BIAS)
     sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
     eps, weight_offset,
     M, N, K,
@@ -231,9 +238,11 @@ def _gemv_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # contiguous K elements a thread loads at once: 16 bytes
-    NORM: tl.constexpr = False,  # x is RMS-normalised first (one K step, unsplit: see norm_gemv_fwd)
+    NORM: tl.constexpr = False,  # x is normalised first (one K step, unsplit: see norm_gemv_fwd)
     NORM_RESIDUAL: tl.constexpr = False,
     NORM_WEIGHT: tl.constexpr = False,
+    NORM_BIAS: tl.constexpr = False,
+    LAYER_NORM: tl.constexpr = False,  # layer_norm, else rms_norm
     CAST_BEFORE_WEIGHT: tl.constexpr = False,
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
@@ -277,9 +286,9 @@ def _gemv_fwd_kernel(
         # The whole row is in this one step (BLOCK_K >= K), so every program normalises its rows in
         # registers, exactly as the unfused norm kernel would store them, and multiplies those.
         mask_k = offs_k < K
-        x = _rms_normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0,
-                             nres_ptr, stride_nres_m, nw_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
-                             NORM_RESIDUAL, NORM_WEIGHT, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+        x = _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0,
+                         nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
+                         NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
         w = tl.load(w_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
         acc += tl.sum(x * w.to(tl.float32), axis=3)
         if GATED:
@@ -326,15 +335,15 @@ def _num_sms(device: torch.device) -> int:
 
 def _weight_layout_ok(weight: torch.Tensor) -> bool:
     # K contiguous: each thread streams 16-byte row segments. A transposed view (stride 1 along N)
-    # would be read correctly through its strides but not cheaply: the weight tile then reaches
-    # registers through a shared-memory layout conversion every step, 1.5-2.7x slower than a
-    # contiguous weight and slower than cuBLAS on the same view (H100, fp16, 1 row), so it is refused.
-    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] <= 1)
+    # read through this kernel's strides would go through a shared-memory layout conversion every
+    # step (1.5-2.7x slower, H100, fp16, 1 row): kernels/gemv_kmajor.py streams that layout instead.
+    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] <= 1 or gemv_kmajor.kmajor_layout(weight))
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_M_MAX) -> bool:
     """Whether gemv_fwd takes this linear: x of at most `max_rows` (<= GEMV_M_MAX) rows, fp16, bf16
-    or fp32, the weight of x's dtype and device with unit stride along K. (x with a non-unit K
+    or fp32, the weight of x's dtype and device with unit stride along K, or along N (a transposed
+    (K, N) matrix: gemv_kmajor's kernel). (x with a non-unit K
     stride is copied, cheap at 16 rows.) Pass max_rows=GEMV_FAST_M_MAX to ask whether it is also
     the fast choice without measuring."""
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -345,13 +354,17 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_M_M
 
 
 class NormPrologue(NamedTuple):
-    """An RMSNorm that norm_gemv_fwd applies to x before the GEMV, as transfuse.rms_norm /
-    add_rms_norm define it: residual (same shape as x) or None, weight (K,) or None."""
+    """The norm that norm_gemv_fwd applies to x before the GEMV, as transfuse's norm ops define it:
+    residual (same shape as x) or None, weight (K,) or None, and for a LayerNorm (`layer`) its
+    bias (K,) or None; weight_offset and cast_before_weight are rms_norm's (0 and False for a
+    LayerNorm)."""
     residual: torch.Tensor | None
     weight: torch.Tensor | None
     eps: float
     weight_offset: float
     cast_before_weight: bool
+    bias: torch.Tensor | None = None
+    layer: bool = False
 
 
 NORM_K_MAX = 8192  # the whole row is one K step in registers: 64 fp32 values a thread at 8 warps
@@ -360,11 +373,11 @@ NORM_K_MAX = 8192  # the whole row is one K step in registers: 64 fp32 values a 
 def norm_gemv_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue, max_rows: int = GEMV_FAST_M_MAX) -> bool:
     """Whether norm_gemv_fwd takes this: gemv_applies, a row of at most NORM_K_MAX, 16-bit or fp32
     tensors all of x's dtype (the normalised row is rounded to it, as the unfused op's output)."""
-    same = [t for t in (norm.residual, norm.weight) if t is not None]
+    same = [t for t in (norm.residual, norm.weight, norm.bias) if t is not None]
     return (gemv_applies(x, weight, max_rows) and x.shape[-1] <= NORM_K_MAX
             and all(t.dtype == x.dtype and t.device == x.device for t in same)
             and (norm.residual is None or norm.residual.shape == x.shape)
-            and (norm.weight is None or norm.weight.shape == (x.shape[-1],)))
+            and all(t.shape == (x.shape[-1],) for t in (norm.weight, norm.bias) if t is not None))
 
 
 def norm_gemv_fwd(
@@ -374,9 +387,9 @@ def norm_gemv_fwd(
     bias: torch.Tensor | None = None,
     activation: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(rms_norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or
-    s = x and an empty (0,) second output without a residual: the RMSNorm that feeds a linear, in
-    the GEMV's own launch. Every program normalises the rows itself (they are K <= NORM_K_MAX wide
+    """(act(norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or
+    s = x and an empty (0,) second output without a residual: the RMSNorm or LayerNorm that feeds a
+    linear, in the GEMV's own launch. Every program normalises the rows itself (they are K <= NORM_K_MAX wide
     and few), so the normalised activation never reaches memory and the norm costs no launch."""
     if not norm_gemv_applies(x, weight, norm, GEMV_M_MAX):
         raise ValueError("norm_gemv_fwd: x, the norm's residual and weight must share a dtype and device, "
@@ -395,6 +408,10 @@ def norm_gemv_fwd(
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
+    if gemv_kmajor.kmajor_layout(weight):
+        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, None, out, gemv_bucket(M), _num_sms(x.device),
+                                    norm._replace(residual=res2), summed)
+        return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     conf = default_config(M, N, K, _num_sms(x.device), activation == "silu_mul")
     vec = min(conf.block_k, 16 // x.element_size())
     # One K step holds the whole row; enough warps that a thread keeps at most 64 of its values.
@@ -408,13 +425,13 @@ def norm_gemv_fwd(
         *epilogue.args,
         *epilogue.part_args,
         res2 if res2 is not None else x2, res2.stride(0) if res2 is not None else 0,
-        norm.weight if norm.weight is not None else x2,
+        norm.weight if norm.weight is not None else x2, norm.bias if norm.bias is not None else x2,
         summed, summed.stride(0) if res2 is not None else 0,
         float(norm.eps), float(norm.weight_offset),
         M, N, K, 1,
         **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=block_k, VEC=vec,
         NORM=True, NORM_RESIDUAL=res2 is not None, NORM_WEIGHT=norm.weight is not None,
-        CAST_BEFORE_WEIGHT=norm.cast_before_weight,
+        NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer, CAST_BEFORE_WEIGHT=norm.cast_before_weight,
         BF16_RNE_BY_HAND=INTERPRET and x.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=1, **pdl(x2),
     )
@@ -433,14 +450,15 @@ def gemv_fwd(
 
     x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
     (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
+    A weight with unit stride along N (a transposed (K, N) matrix) runs gemv_kmajor's kernel.
     `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` overrides the heuristic (tests, benchmarks).
     """
     N = check_linear_args(x, weight, bias, activation, residual)
     if x.dtype not in _DTYPES:
         raise ValueError(f"gemv_fwd takes fp16, bf16 or fp32, got {x.dtype}")
     if not _weight_layout_ok(weight):
-        raise ValueError(f"gemv_fwd streams weights with unit stride along K (nn.Linear's layout), got "
-                         f"strides {tuple(weight.stride())}: pass weight.contiguous(), or use "
+        raise ValueError(f"gemv_fwd streams weights with unit stride along K (nn.Linear's layout) or along N, "
+                         f"got strides {tuple(weight.stride())}: pass weight.contiguous(), or use "
                          f"gemm.linear_fwd, which reads any strides")
     K = x.shape[-1]
     lead = x.shape[:-1]
@@ -454,6 +472,10 @@ def gemv_fwd(
     if M == 0 or N == 0:
         return out.view(*lead, N)
     res2 = residual.reshape(-1, N) if residual is not None else None
+    if gemv_kmajor.kmajor_layout(weight):
+        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, res2, out, gemv_bucket(M), _num_sms(x.device),
+                                    config=config)
+        return out.view(*lead, N)
 
     gated = activation == "silu_mul"
     conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device), gated)
@@ -466,7 +488,7 @@ def gemv_fwd(
         weight, weight.stride(0),
         *epilogue.args,
         *epilogue.part_args,
-        x2, 0, x2, x2, 0, 0.0, 0.0,  # no norm prologue: stand-ins, never read
+        x2, 0, x2, x2, x2, 0, 0.0, 0.0,  # no norm prologue: stand-ins, never read
         M, N, K, split_k,
         **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         VEC=min(conf.block_k, 16 // x.element_size()),

@@ -1,5 +1,5 @@
-"""torch.ops.transfuse.rms_norm_linear: an RMSNorm (with the residual add before it) and the one
-linear that reads it, as one op.
+"""torch.ops.transfuse.rms_norm_linear / layer_norm_linear: an RMSNorm or a LayerNorm (with the
+residual add before it) and the one linear that reads it, as one op.
 
     rms_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float weight_offset,
                     bool cast_before_weight, Tensor weight, Tensor? bias, str activation)
@@ -9,7 +9,12 @@ out = transfuse.linear(rms_norm(s), weight, bias, activation, None) with s = x +
 x's dtype) or s = x; sum = s when there is a residual (add_rms_norm's second output, the next
 residual), else an empty (0,) tensor. The norm's flags are transfuse.rms_norm's.
 
-Why: in a decode step (one or two rows) each of a Llama layer's two RMSNorms is a launch of its own
+    layer_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, Tensor? norm_bias, float eps,
+                      Tensor weight, Tensor? bias, str activation) -> (Tensor out, Tensor sum)
+
+the same with transfuse.layer_norm / add_layer_norm (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc).
+
+Why: in a decode step (one or two rows) each of a layer's two norms is a launch of its own
 that costs as much as a small GEMV, for 2 * K values. With 1-2 rows the GEMV (kernels.gemv) loads
 whole rows of x in every program anyway, so each program normalises them itself
 (kernels.gemv.norm_gemv_fwd): one launch instead of two. With more rows, or shapes the GEMV does not
@@ -66,5 +71,38 @@ def rms_norm_linear(
 @rms_norm_linear.register_fake
 def _(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, bias, activation):
     norm_kernels.check_rms_norm_args(x, norm_weight, weight_offset, cast_before_weight, residual)
+    return _fake_outputs(x, residual, weight, bias, activation)
+
+
+@torch.library.custom_op("transfuse::layer_norm_linear", mutates_args=())
+def layer_norm_linear(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: Optional[torch.Tensor],
+    norm_bias: Optional[torch.Tensor],
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(layer_norm(x [+ residual])), x + residual or empty); see the module docstring."""
+    prologue = gemv.NormPrologue(residual, norm_weight, eps, 0.0, False, norm_bias, True)
+    if _fused(x, weight, prologue):
+        return gemv.norm_gemv_fwd(x, prologue, weight, bias, activation)
+    if residual is None:
+        normed = norm_kernels.layer_norm_fwd(x, norm_weight, norm_bias, eps)
+        summed = x.new_empty((0,))
+    else:
+        normed, summed = norm_kernels.add_layer_norm_fwd(x, residual, norm_weight, norm_bias, eps, True)
+    return linear_dispatch(normed, weight, bias, activation, None), summed
+
+
+@layer_norm_linear.register_fake
+def _(x, residual, norm_weight, norm_bias, eps, weight, bias, activation):
+    norm_kernels.check_layer_norm_args(x, norm_weight, norm_bias, residual)
+    return _fake_outputs(x, residual, weight, bias, activation)
+
+
+def _fake_outputs(x, residual, weight, bias, activation):
     n_out = gemm_kernels.check_linear_args(x, weight, bias, activation, None)
     return x.new_empty((*x.shape[:-1], n_out)), x.new_empty(x.shape if residual is not None else (0,))

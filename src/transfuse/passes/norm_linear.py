@@ -1,17 +1,20 @@
-"""An RMSNorm and the one linear that reads it -> transfuse.rms_norm_linear (`RMSNormLinear`).
+"""A norm and the one linear that reads it -> one op: `RMSNormLinear` (transfuse.rms_norm_linear)
+and `LayerNormLinear` (transfuse.layer_norm_linear).
 
 After the norm and linear passes, a Llama-style layer reads
 
     h, s = transfuse.add_rms_norm(x, residual, w, eps, ...)     # or h = transfuse.rms_norm(x, w, ...)
     y = transfuse.linear(h, W, b, act, None)                    # the merged QKV, or gate-up
 
-and h has no other reader. Both become one op, which in a decode step (1-2 rows) is one GEMV launch
-whose programs normalise their rows themselves, and otherwise the same two kernels as before
-(ops/norm_linear.py). The sum s, when read, is the fused op's second output.
+and a GPT-2 layer the same with add_layer_norm, its linear reading h through a (rows, K) view
+(Conv1D flattens its input). h has no other reader. Both become one op, which in a decode step
+(1-2 rows) is one GEMV launch whose programs normalise their rows themselves, and otherwise the same
+two kernels as before (ops/norm_linear.py). The sum s, when read, is the fused op's second output;
+through the view, the fused op's (..., N) output is reshaped to the linear's (rows, N).
 
 Left alone: a normalised row read by anything else as well (it would have to be stored anyway),
 a linear that also adds a residual, a norm whose output dtype differs from x's or the weight's.
-Inference graphs only (the fused op has no backward).
+Inference graphs only (the fused ops have no backward).
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import dtype, node_order, single_user
+from transfuse.passes.graph import dtype, kind, node_order, single_user, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "RMSNormLinear"
+LAYER_PATTERN = "LayerNormLinear"
+_OPS = torch.ops.transfuse
+_SINGLE_OUTPUT = (_OPS.rms_norm.default, _OPS.layer_norm.default)
+_LAYER = (_OPS.layer_norm.default, _OPS.add_layer_norm.default)
 
 
 def _normed_and_sum(norm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     """(the node holding the normalised rows, the node holding the sum or None) of a norm op."""
-    if norm.target is torch.ops.transfuse.rms_norm.default:
+    if norm.target in _SINGLE_OUTPUT:
         return norm, None
     outputs = {user.args[1]: user for user in norm.users
                if user.op == "call_function" and user.target is operator.getitem}
@@ -38,36 +45,61 @@ def _normed_and_sum(norm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     return outputs[0], outputs.get(1)
 
 
-def _norm_args(norm: fx.Node):
-    """(x, residual or None, weight, eps, weight_offset, cast_before_weight)."""
-    if norm.target is torch.ops.transfuse.rms_norm.default:
-        x, weight, eps, offset, cast = norm.args
-        return x, None, weight, eps, offset, cast
-    x, residual, weight, eps, offset, cast, _store_sum = norm.args
-    return x, residual, weight, eps, offset, cast
+def _fused_call(norm: fx.Node, weight, bias, activation) -> tuple:
+    """(the fused op, its arguments, x) for `norm` feeding linear(weight, bias, activation)."""
+    if norm.target is _OPS.rms_norm.default:
+        x, norm_weight, eps, offset, cast = norm.args
+        return _OPS.rms_norm_linear.default, (x, None, norm_weight, eps, offset, cast, weight, bias, activation), x
+    if norm.target is _OPS.add_rms_norm.default:
+        x, residual, norm_weight, eps, offset, cast, _store_sum = norm.args
+        return _OPS.rms_norm_linear.default, (x, residual, norm_weight, eps, offset, cast, weight, bias, activation), x
+    if norm.target is _OPS.layer_norm.default:
+        x, norm_weight, norm_bias, eps = norm.args
+        return _OPS.layer_norm_linear.default, (x, None, norm_weight, norm_bias, eps, weight, bias, activation), x
+    x, residual, norm_weight, norm_bias, eps, _store_sum = norm.args
+    return _OPS.layer_norm_linear.default, (x, residual, norm_weight, norm_bias, eps, weight, bias, activation), x
+
+
+def _linear_of(normed: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """(the transfuse.linear that is normed's one reader, the (rows, K) view it reads normed
+    through or None); (None, None) when there is no such linear."""
+    user = single_user(normed)
+    view = None
+    if user is not None and kind(user) in ("view", "reshape") and user.args[0] is normed:
+        rows, meta = tensor_meta(user), tensor_meta(normed)
+        if rows is None or meta is None or rows.dim() != 2 or rows.shape[-1] != meta.shape[-1]:
+            return None, None
+        view, user = user, single_user(user)
+    reads = view if view is not None else normed
+    if (user is None or user.target is not _OPS.linear.default
+            or user.args[0] is not reads or reads in user.args[1:]):
+        return None, None
+    if view is not None and not isinstance(tensor_meta(user).shape[-1], int):
+        return None, None
+    return user, view
 
 
 def run(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     norms = [n for n in graph.nodes if n.op == "call_function" and n.target in
-             (torch.ops.transfuse.rms_norm.default, torch.ops.transfuse.add_rms_norm.default)]
+             (_OPS.rms_norm.default, _OPS.add_rms_norm.default, *_LAYER)]
     order = node_order(graph)
     for norm in norms:
+        pattern = LAYER_PATTERN if norm.target in _LAYER else PATTERN
         found = _normed_and_sum(norm)
         if found is None:
             continue
         normed, summed = found
-        linear = single_user(normed)
-        if (linear is None or linear.target is not torch.ops.transfuse.linear.default
-                or linear.args[0] is not normed or normed in linear.args[1:]):
+        linear, view = _linear_of(normed)
+        if linear is None:
             continue
-        x, residual, norm_weight, eps, offset, cast = _norm_args(norm)
         weight, bias, activation, lin_residual = linear.args[1:]
         if lin_residual is not None:
-            ctx.reject(PATTERN, norm, "the linear also adds a residual")
+            ctx.reject(pattern, norm, "the linear also adds a residual")
             continue
+        op, args, x = _fused_call(norm, weight, bias, activation)
         if not (dtype(normed) == dtype(x) == dtype(weight)):
-            ctx.reject(PATTERN, norm, "the normalised rows are not in the dtype of x and of the linear's weight")
+            ctx.reject(pattern, norm, "the normalised rows are not in the dtype of x and of the linear's weight")
             continue
         # The fused op must come after the linear's weight and bias exist and before any reader of
         # the sum: at the norm when the weight is already there, else at the linear.
@@ -77,18 +109,23 @@ def run(ctx: PassContext) -> None:
         elif summed is None or all(order[u] > order[linear] for u in summed.users):
             where = linear
         else:
-            ctx.reject(PATTERN, norm, "the sum is read before the linear's weight is computed")
+            ctx.reject(pattern, norm, "the sum is read before the linear's weight is computed")
             continue
         with graph.inserting_before(where):
-            fused = graph.call_function(torch.ops.transfuse.rms_norm_linear.default,
-                                        (x, residual, norm_weight, eps, offset, cast, weight, bias, activation))
+            fused = graph.call_function(op, args)
             out = graph.call_function(operator.getitem, (fused, 0))
+            if view is not None:
+                n_out = tensor_meta(linear).shape[-1]
+                out.meta["example_value"] = tensor_meta(normed).new_empty((*tensor_meta(normed).shape[:-1], n_out))
+                out = graph.call_method("reshape", (out, -1, n_out))
             out.meta.update(linear.meta)
             if summed is not None:
                 new_sum = graph.call_function(operator.getitem, (fused, 1))
                 new_sum.meta.update(summed.meta)
         linear.replace_all_uses_with(out)
         graph.erase_node(linear)
+        if view is not None:
+            graph.erase_node(view)
         if summed is not None:
             summed.replace_all_uses_with(new_sum)
             graph.erase_node(summed)
@@ -96,4 +133,4 @@ def run(ctx: PassContext) -> None:
             graph.erase_node(normed)
         graph.erase_node(norm)
         order = node_order(graph)
-        ctx.matched(PATTERN)
+        ctx.matched(pattern)

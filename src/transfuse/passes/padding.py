@@ -271,7 +271,7 @@ class _Analysis:
             self.refuse(self.dim_syms(node.args[0], -1), node, "contracts over a padded dimension")
         elif name in _NORMS:
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
-        elif name == "transfuse.rms_norm_linear":  # a norm, then a linear, both over the last dim
+        elif name in ("transfuse.rms_norm_linear", "transfuse.layer_norm_linear"):  # a norm, then a linear, both over the last dim
             self.refuse(self.dim_syms(node.args[0], -1), node, "normalises over a padded dimension")
         elif name in ("conv1d", "conv2d", "conv3d"):  # images and audio: samples of a batch stay apart
             src = node.args[0]

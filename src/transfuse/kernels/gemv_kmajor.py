@@ -1,0 +1,242 @@
+"""Weight-streaming GEMV for weights stored (K, N): gemv.py's decode linear for x @ W layouts.
+
+    out = act(norm(x) @ weight.T + bias) + residual
+
+    x:        (M, K)  M <= 16 rows, unit stride along K, any row stride
+    weight:   (N, K)  a view with unit stride along N: the transpose of a contiguous (K, N) matrix,
+              as GPT-2's Conv1D stores its weights (the Conv1D pass makes them F.linear(x, W.t()))
+    the rest as gemv.gemv_fwd (bias, residual, activations incl. "silu_mul", the split-K partials)
+
+Why a second GEMV: gemv.py's kernel streams weight rows along K, 16 bytes a thread; on this layout
+those loads would be 2-byte gathers N elements apart. Here a program owns BLOCK_N adjacent output
+columns and walks K: each (BLOCK_K, BLOCK_N) tile is BLOCK_K row segments of BLOCK_N contiguous
+elements, each thread loading 16 bytes of a segment, and the products are summed over the tile's K
+axis (tl.sum) once per step. Measured before this kernel (H100, fp16, 1 row, in a CUDA graph,
+bench/kernels/bench_gemv_kmajor.py): cuBLAS on the (K, N) layout took 4.7 / 4.1 / 5.0 / 7.7 us on
+GPT-2's four linears where gemv.py's kernel on an (N, K) copy took 3.2 / 2.3 / 3.7 / 4.1 us.
+
+Norm prologue (NORM, the same NormPrologue as gemv.norm_gemv_fwd: RMSNorm or LayerNorm, with the
+residual add before it): every program first loads its rows whole (K <= gemv.NORM_K_MAX, so the
+statistics are a register reduction, as in kernels/norm.py), then normalises each K step's chunk
+before multiplying, rounded to x's dtype where the unfused norm kernel rounds its output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
+from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials
+from transfuse.kernels.norm import _round_to
+
+_REDUCE_BLOCK_N = 256
+
+
+class KMajorConfig(NamedTuple):
+    """Output columns per program, K rows per step, programs per column block along K, warps."""
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+
+# Under the interpreter: small blocks so that tiny test shapes cross block edges in N and K.
+_INTERPRET_CONFIG = KMajorConfig(16, 16, 1, 4)
+
+
+def kmajor_layout(weight: torch.Tensor) -> bool:
+    """Whether `weight` (N, K) has unit stride along N (and not along K): this kernel's layout."""
+    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1 and weight.shape[0] > 1
+
+
+def default_config(m: int, n: int, k: int, num_sms: int) -> KMajorConfig:
+    """16 columns (two 16-byte loads of one 32-byte sector per row) by up to 512 rows a step, each
+    of 8 warps' threads holding 4 segments; split along K while the column blocks give fewer than
+    two programs per SM and every split keeps at least one whole step. (Fitted on GPT-2's shapes:
+    see the module docstring's benchmark.)"""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    block_n, num_warps = 16, 8
+    block_k = min(512, max(next_power_of_2(k), 128))
+    programs, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split_k = 1
+    while split_k < 8 and programs * split_k < 2 * num_sms and steps >= 2 * split_k:
+        split_k *= 2
+    return KMajorConfig(block_n, block_k, split_k, num_warps)
+
+
+@triton.jit
+def _row_statistics(x_ptr, rows, stride_x_m, nres_ptr, stride_nres_m, K, eps,
+                    NORM_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                    BF16_RNE_BY_HAND: tl.constexpr):
+    """(mean, rstd) of each of the BLOCK_M rows of x (or of x + residual rounded to x's dtype), in
+    fp32 from the whole row in registers; mean is 0 for an RMSNorm."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    cols = tl.arange(0, NORM_BLOCK)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_RESIDUAL:
+        res = tl.load(nres_ptr + rows[:, None] * stride_nres_m + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round_to(x + res, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+    mean = tl.zeros((x.shape[0],), dtype=tl.float32)
+    if LAYER_NORM:
+        mean = tl.sum(x, axis=1) / K
+        x = tl.where(mask, x - mean[:, None], 0.0)
+    return mean, tl.math.rsqrt(tl.sum(x * x, axis=1) / K + eps)
+
+
+@triton.jit
+def _normed_chunk(x, offs_k, mask, mean, rstd, nw_ptr, nb_ptr, weight_offset,
+                  NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr, LAYER_NORM: tl.constexpr,
+                  CAST_BEFORE_WEIGHT: tl.constexpr, DTYPE: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) chunk x (fp32, already x + residual) normalised with its rows'
+    statistics, in kernels/norm.py's order of operations, rounded to DTYPE and widened to fp32."""
+    if LAYER_NORM:
+        x = x - mean[:, None]
+    y = x * rstd[:, None]
+    if NORM_WEIGHT:
+        if CAST_BEFORE_WEIGHT:
+            y = _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+        y = y * (tl.load(nw_ptr + offs_k, mask=mask, other=0.0).to(tl.float32) + weight_offset)[None, :]
+    if NORM_BIAS:
+        y = y + tl.load(nb_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)[None, :]
+    return _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+
+
+# M and the workspace strides unspecialised: a new row count within a bucket, or a split launch
+# beside an unsplit one, must not compile another kernel.
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
+def _gemv_kmajor_kernel(
+    x_ptr, stride_x_m,
+    w_ptr, stride_w_k,  # unit stride along N
+    bias_ptr, stride_bias,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
+    nres_ptr, stride_nres_m,  # the norm prologue's residual (NORM_RESIDUAL)
+    nw_ptr, nb_ptr,  # its weight (NORM_WEIGHT) and bias (NORM_BIAS)
+    sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
+    eps, weight_offset,
+    M, N, K,
+    SPLIT_K,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # M's power-of-two bucket; rows past M re-read row m % M, never stored
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr = False,
+    NORM_RESIDUAL: tl.constexpr = False,
+    NORM_WEIGHT: tl.constexpr = False,
+    NORM_BIAS: tl.constexpr = False,
+    LAYER_NORM: tl.constexpr = False,
+    CAST_BEFORE_WEIGHT: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1,  # K's power of two, for the row statistics
+    BF16_RNE_BY_HAND: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
+):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = (offs_m % M).to(tl.int64)
+    # Columns are masked, not wrapped: the weight loads need offs_n's contiguity to be 16 bytes wide.
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = min(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w_k + offs_n[None, :]
+    wait_for_previous_kernel(PDL)
+
+    if NORM:
+        mean, rstd = _row_statistics(x_ptr, rows, stride_x_m, nres_ptr, stride_nres_m, K, eps,
+                                     NORM_RESIDUAL, LAYER_NORM, NORM_BLOCK, BF16_RNE_BY_HAND)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
+    for _ in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs_k[None, :], mask=mask_k[None, :], other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        if NORM:
+            if NORM_RESIDUAL:
+                res = tl.load(nres_ptr + rows[:, None] * stride_nres_m + offs_k[None, :], mask=mask_k[None, :],
+                              other=0.0).to(tl.float32)
+                x = _round_to(x + res, DTYPE, BF16_RNE_BY_HAND)
+                # the column block 0 programs store the sum, once per row and K position
+                tl.store(sum_ptr + rows[:, None] * stride_sum_m + offs_k[None, :], x,
+                         mask=mask_k[None, :] & (offs_m < M)[:, None] & (pid_n == 0))
+                x = x.to(tl.float32)
+            x = _normed_chunk(x, offs_k, mask_k, mean, rstd, nw_ptr, nb_ptr, weight_offset,
+                              NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, DTYPE, BF16_RNE_BY_HAND)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        if GATED:
+            # the up columns start N columns right of the gate columns
+            w_up = tl.load(w_ptrs + N, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            acc_up += tl.sum(x[:, :, None] * w_up[None, :, :], axis=1)
+        offs_k += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+    if not GATED:
+        acc_up = acc
+
+    if SPLIT_K > 1:
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
+    else:
+        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+
+
+def gemv_kmajor_fwd(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    res2: torch.Tensor | None,
+    out: torch.Tensor,
+    bucket: int,
+    num_sms: int,
+    norm=None,
+    summed: torch.Tensor | None = None,
+    config: KMajorConfig | tuple[int, int, int, int] | None = None,
+) -> None:
+    """Writes act(norm(x2) @ weight.T + bias) + res2 into out (M, N) and, with a norm residual, the
+    sum into summed (M, K). Called by gemv.gemv_fwd and gemv.norm_gemv_fwd, which check the
+    arguments, flatten the rows and allocate the outputs; `norm` is their NormPrologue or None."""
+    M, K = x2.shape
+    N = out.shape[1]
+    conf = KMajorConfig(*config) if config is not None else default_config(M, N, K, num_sms)
+    split_k = max(1, min(conf.split_k, triton.cdiv(K, conf.block_k)))
+    epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
+    norm_args: tuple = (x2, 0, x2, x2, x2, 0, 0.0, 0.0)  # no norm prologue: stand-ins, never read
+    norm_flags: dict = {}
+    if norm is not None:
+        nres = norm.residual
+        norm_args = (nres if nres is not None else x2, nres.stride(0) if nres is not None else 0,
+                     norm.weight if norm.weight is not None else x2, norm.bias if norm.bias is not None else x2,
+                     summed, summed.stride(0) if nres is not None else 0, float(norm.eps), float(norm.weight_offset))
+        norm_flags = dict(NORM=True, NORM_RESIDUAL=nres is not None, NORM_WEIGHT=norm.weight is not None,
+                          NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer,
+                          CAST_BEFORE_WEIGHT=norm.cast_before_weight, NORM_BLOCK=next_power_of_2(K))
+    _gemv_kmajor_kernel[(triton.cdiv(N, conf.block_n), split_k)](
+        x2, x2.stride(0),
+        weight, weight.stride(1),
+        *epilogue.args,
+        *epilogue.part_args,
+        *norm_args,
+        M, N, K, split_k,
+        **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k, **norm_flags,
+        BF16_RNE_BY_HAND=INTERPRET and x2.dtype == torch.bfloat16,
+        num_warps=conf.num_warps, num_stages=1, **pdl(x2),
+    )
+    epilogue.reduce(bucket, _REDUCE_BLOCK_N)
