@@ -13,7 +13,10 @@ columns and walks K: each (BLOCK_K, BLOCK_N) tile is BLOCK_K row segments of BLO
 elements, each thread loading 16 bytes of a segment, and the products are summed over the tile's K
 axis (tl.sum) once per step. Measured before this kernel (H100, fp16, 1 row, in a CUDA graph,
 bench/kernels/bench_gemv_kmajor.py): cuBLAS on the (K, N) layout took 4.7 / 4.1 / 5.0 / 7.7 us on
-GPT-2's four linears where gemv.py's kernel on an (N, K) copy took 3.2 / 2.3 / 3.7 / 4.1 us.
+GPT-2's four linears where gemv.py's kernel on an (N, K) copy took 3.2 / 2.3 / 3.7 / 4.1 us; this
+kernel's best configs take 4.2 / 3.2 / 4.4 / 5.6 us (the weight tile's sum over K crosses warps;
+gemv.py's crosses only lanes). A first version that loaded x before the weight and summed over K
+every step took 4.6 / 3.0 / 4.8 / 6.4 at its best.
 
 Norm prologue (NORM, the same NormPrologue as gemv.norm_gemv_fwd: RMSNorm or LayerNorm, with the
 residual add before it): every program first loads its rows whole (K <= gemv.NORM_K_MAX, so the
@@ -54,17 +57,18 @@ def kmajor_layout(weight: torch.Tensor) -> bool:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> KMajorConfig:
-    """16 columns (two 16-byte loads of one 32-byte sector per row) by up to 512 rows a step, each
-    of 8 warps' threads holding 4 segments; split along K while the column blocks give fewer than
-    two programs per SM and every split keeps at least one whole step. (Fitted on GPT-2's shapes:
-    see the module docstring's benchmark.)"""
+    """16 columns (two 16-byte loads of one 32-byte sector per row) by 256 rows a step for one
+    row (128 for more: the accumulators grow with the rows), 4 warps, so each thread holds 4 (2)
+    row segments; split along K while the column blocks give fewer programs than SMs and every
+    split keeps at least four steps. Fitted on GPT-2's and GPT-2-XL's shapes at 1 row (H100,
+    bench/kernels/bench_gemv_kmajor.py --sweep): within 10% of the sweep's best on each."""
     if INTERPRET:
         return _INTERPRET_CONFIG
-    block_n, num_warps = 16, 8
-    block_k = min(512, max(next_power_of_2(k), 128))
+    block_n, num_warps = 16, 4
+    block_k = min(256 if m <= 1 else 128, max(next_power_of_2(k), 16))
     programs, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split_k = 1
-    while split_k < 8 and programs * split_k < 2 * num_sms and steps >= 2 * split_k:
+    while split_k < 8 and programs * split_k < num_sms and steps >= 4 * split_k:
         split_k *= 2
     return KMajorConfig(block_n, block_k, split_k, num_warps)
 
@@ -107,6 +111,41 @@ def _normed_chunk(x, offs_k, mask, mean, rstd, nw_ptr, nb_ptr, weight_offset,
     return _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
 
 
+@triton.jit
+def _weight_tiles(w_ptrs, mask_k, mask_n2, N, GATED: tl.constexpr):
+    """One step's (BLOCK_K, BLOCK_N) weight tile, and the up tile N columns right of it when GATED
+    (else the same tile again, unused), in the weight's dtype. Read once: evicted first."""
+    mask = mask_k[:, None] & mask_n2
+    w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_ptrs + N, mask=mask, other=0.0, eviction_policy="evict_first")
+    return w, w_up
+
+
+@triton.jit
+def _x_chunk(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum, mean, rstd,
+             nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, weight_offset,
+             NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr,
+             LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
+    """x's (BLOCK_M, BLOCK_K) chunk in fp32: as stored, or normalised (NORM) with the rows'
+    statistics after the residual add, whose rounded sum the `stores_sum` programs store."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs_k[None, :], mask=mask_k[None, :], other=0.0,
+                eviction_policy="evict_last").to(tl.float32)
+    if NORM:
+        if NORM_RESIDUAL:
+            res = tl.load(nres_ptr + rows[:, None] * stride_nres_m + offs_k[None, :], mask=mask_k[None, :],
+                          other=0.0).to(tl.float32)
+            s = _round_to(x + res, DTYPE, BF16_RNE_BY_HAND)
+            tl.store(sum_ptr + rows[:, None] * stride_sum_m + offs_k[None, :], s,
+                     mask=mask_k[None, :] & row_ok[:, None] & stores_sum)
+            x = s.to(tl.float32)
+        x = _normed_chunk(x, offs_k, mask_k, mean, rstd, nw_ptr, nb_ptr, weight_offset,
+                          NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, DTYPE, BF16_RNE_BY_HAND)
+    return x
+
+
 # M and the workspace strides unspecialised: a new row count within a bucket, or a split launch
 # beside an unsplit one, must not compile another kernel.
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
@@ -139,7 +178,6 @@ def _gemv_kmajor_kernel(
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     GATED: tl.constexpr = ACTIVATION == "silu_mul"
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -157,37 +195,60 @@ def _gemv_kmajor_kernel(
     w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w_k + offs_n[None, :]
     wait_for_previous_kernel(PDL)
 
+    # The first step's weight tile is requested before anything else (the norm's statistics, x's
+    # chunk and its layout conversion, which waits at a barrier), and every step requests the next
+    # step's tile before it multiplies: the weight stream, the only large read, never waits on x.
+    mask_n2 = mask_n[None, :]
+    w, w_up = _weight_tiles(w_ptrs, offs_k < k_end, mask_n2, N, GATED)
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    rstd = mean
     if NORM:
         mean, rstd = _row_statistics(x_ptr, rows, stride_x_m, nres_ptr, stride_nres_m, K, eps,
                                      NORM_RESIDUAL, LAYER_NORM, NORM_BLOCK, BF16_RNE_BY_HAND)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
+    # Partial sums per K lane and column: the sum over the tile's K axis, which crosses warps, runs
+    # once after the loop. One or two rows (decode) keep a (BLOCK_K, BLOCK_N) accumulator per row
+    # in the weight tile's own layout, so only x's short chunk changes layout (x[:, None]); more
+    # rows keep one (BLOCK_M, BLOCK_K, BLOCK_N) accumulator.
+    FEW: tl.constexpr = BLOCK_M <= 2
+    if FEW:
+        acc0 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    else:
+        acc0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc1, acc0_up, acc1_up = acc0, acc0, acc0
     for _ in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs_k[None, :], mask=mask_k[None, :], other=0.0,
-                    eviction_policy="evict_last").to(tl.float32)
-        if NORM:
-            if NORM_RESIDUAL:
-                res = tl.load(nres_ptr + rows[:, None] * stride_nres_m + offs_k[None, :], mask=mask_k[None, :],
-                              other=0.0).to(tl.float32)
-                x = _round_to(x + res, DTYPE, BF16_RNE_BY_HAND)
-                # the column block 0 programs store the sum, once per row and K position
-                tl.store(sum_ptr + rows[:, None] * stride_sum_m + offs_k[None, :], x,
-                         mask=mask_k[None, :] & (offs_m < M)[:, None] & (pid_n == 0))
-                x = x.to(tl.float32)
-            x = _normed_chunk(x, offs_k, mask_k, mean, rstd, nw_ptr, nb_ptr, weight_offset,
-                              NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, DTYPE, BF16_RNE_BY_HAND)
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
-        if GATED:
-            # the up columns start N columns right of the gate columns
-            w_up = tl.load(w_ptrs + N, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            acc_up += tl.sum(x[:, :, None] * w_up[None, :, :], axis=1)
+        x = _x_chunk(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0, mean, rstd,
+                     nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, weight_offset,
+                     NORM, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+        w_now, w_up_now = w.to(tl.float32), w_up.to(tl.float32)
         offs_k += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
-    if not GATED:
+        w, w_up = _weight_tiles(w_ptrs, offs_k < k_end, mask_n2, N, GATED)  # masked off past the range
+        if FEW:
+            x0 = tl.sum(tl.where(offs_m[:, None] == 0, x, 0.0), axis=0)[:, None]
+            acc0 += x0 * w_now
+            if GATED:
+                acc0_up += x0 * w_up_now
+            if BLOCK_M == 2:
+                x1 = tl.sum(tl.where(offs_m[:, None] == 1, x, 0.0), axis=0)[:, None]
+                acc1 += x1 * w_now
+                if GATED:
+                    acc1_up += x1 * w_up_now
+        else:
+            acc0 += x[:, :, None] * w_now[None, :, :]
+            if GATED:
+                acc0_up += x[:, :, None] * w_up_now[None, :, :]
+    if FEW:
+        first = offs_m[:, None] == 0
+        acc = tl.where(first, tl.sum(acc0, axis=0)[None, :], tl.sum(acc1, axis=0)[None, :])
         acc_up = acc
+        if GATED:
+            acc_up = tl.where(first, tl.sum(acc0_up, axis=0)[None, :], tl.sum(acc1_up, axis=0)[None, :])
+    else:
+        acc = tl.sum(acc0, axis=1)
+        acc_up = acc
+        if GATED:
+            acc_up = tl.sum(acc0_up, axis=1)
 
     if SPLIT_K > 1:
         _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
