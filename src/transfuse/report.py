@@ -87,6 +87,7 @@ _BACKWARD_FAMILIES = {
     "ResidualWrittenLayerNorm": "layer norm",
     "RMSNorm": "RMSNorm", "ResidualRMSNorm": "RMSNorm",
     "RotaryEmbedding": "rotary", "RotaryPair": "rotary",
+    "LinearEpilogue": "GEMM epilogues (activation and its gradient)", "SwiGLU": "GEMM epilogues (activation and its gradient)",
     "CrossEntropy": "cross-entropy", "LinearCrossEntropy": "LM head + cross-entropy (chunked)",
 }
 
@@ -122,7 +123,7 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
         families = sorted({family for pattern, family in _BACKWARD_FAMILIES.items() if in_training[pattern]})
         lines.append("    forward and backward in transfuse kernels: " + (", ".join(families) or "nothing"))
         sdpa = " (attention with dropout: F.scaled_dot_product_attention)" if in_training["AttentionDropoutToSDPA"] else ""
-        lines.append(f"    in PyTorch: GEMMs (cuBLAS), element-wise ops, dropout{sdpa}, anything listed as left alone")
+        lines.append(f"    in PyTorch: GEMMs (cuBLAS), other element-wise ops, dropout{sdpa}, anything listed as left alone")
     on_gpu = any(r.cuda_graphs for r in records)
     lines.append(f"  CUDA graphs: {'on' if on_gpu else 'off (CPU or disabled)'}")
     if pool is not None and pool.graphs_captured:

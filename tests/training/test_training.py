@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import re
 
 import pytest
 import torch
@@ -64,11 +65,12 @@ def _step(model, ids, targets):
 
 
 @pytest.mark.parametrize("family, expected", [
+    # LinearEpilogue: the MLP's first linear and its activation (GELU; Llama's SiLU gate), per layer
     ("nanogpt", {"ManualAttention": 2, "CausalMaskBuffer": 2, "CrossEntropy": 1, "VocabPadding": 1,
-                 "ResidualLayerNorm": 4}),
-    ("gpt2", {"ManualAttention": 2, "CrossEntropy": 1, "ResidualLayerNorm": 4}),
+                 "ResidualLayerNorm": 4, "LinearEpilogue": 2}),
+    ("gpt2", {"ManualAttention": 2, "CrossEntropy": 1, "ResidualLayerNorm": 4, "LinearEpilogue": 2}),
     ("llama", {"TorchSDPA": 2, "GroupedKV": 2, "CrossEntropy": 1, "ResidualRMSNorm": 4, "RotaryEmbedding": 4,
-               "RotaryPair": 2}),
+               "RotaryPair": 2, "LinearEpilogue": 2}),
 ])
 def test_training_step_equals_eager(family, expected):
     model = {"nanogpt": _nanogpt, "gpt2": _hf_gpt2, "llama": _llama}[family]()
@@ -89,6 +91,7 @@ def test_training_step_equals_eager(family, expected):
         assert rewrites[pattern] == count, (pattern, rewrites)
     report = transfuse.report(model)
     assert "training graphs: 1" in report and "attention (FlashAttention-2" in report
+    assert re.search(r"^ +LinearEpilogue +x2$", report, re.MULTILINE), report  # a rewrite, not a rejection
 
 
 def test_adamw_steps_follow_eager_and_eval_sees_the_trained_weights():
@@ -254,6 +257,7 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _step(m, ids, ids)
     ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
+    assert _rewrites(model)["LinearEpilogue"] == 2  # in bf16: the pass casts as autocast does
     worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
     assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
 
@@ -281,6 +285,8 @@ def test_decoder_family_training_equals_eager(family):
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     assert _rewrites(model)["RotaryPair"] == 2 and _rewrites(model)["CrossEntropy"] == 1
+    if family == "phi3":  # its one gate_up projection, chunked: silu(gate) * up in the GEMM
+        assert _rewrites(model)["SwiGLU"] == 2
 
 
 def test_padded_vocabulary_logits_come_back_contiguous():

@@ -6,6 +6,14 @@ the kernel implements. So `F.gelu(x)`, `F.gelu(x, approximate="tanh")`, Hugging 
 hand-written `NewGELUActivation` (0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))),
 `x * torch.sigmoid(x)` and `nn.SiLU` all match, whatever constants or spellings they use, and a
 chain that is none of them is left alone.
+
+In a training graph the op is transfuse.linear_train, which keeps the pre-activation for its
+backward (transfuse.ops.linear_autograd), and a bare linear (nothing to fuse) stays F.linear: the
+same cuBLAS GEMMs forward and backward, without a custom op's overhead.
+
+Under torch.autocast F.linear's output has the autocast dtype while its operands need not (fp32
+parameters, often an fp32 input): autocast casts all three before the GEMM, so the rewrite puts the
+same casts in front of the op, and the GEMM and its epilogue run in that dtype, as eager's do.
 """
 
 from __future__ import annotations
@@ -42,13 +50,13 @@ def run(ctx: PassContext) -> None:
         if reason:
             ctx.reject(PATTERN, node, reason)
             continue
-        x, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        op = torch.ops.transfuse.linear_train.default if ctx.training else torch.ops.transfuse.linear.default
         gated, why_not = _gated_silu(node)
         if why_not:
             ctx.reject(GATED, node, why_not)
         if gated is not None:
             with graph.inserting_before(gated):
-                new = graph.call_function(torch.ops.transfuse.linear.default, (x, weight, bias, "silu_mul", None))
+                new = graph.call_function(op, (*_operands(graph, node), "silu_mul", None))
             new.meta["example_value"] = gated.meta.get("example_value")
             gated.replace_all_uses_with(new)
             ctx.matched(GATED)
@@ -58,10 +66,13 @@ def run(ctx: PassContext) -> None:
         residual, last = _residual(last, view or node)
         if last is view:  # nothing to fuse after the view
             view, last = None, node
+        if ctx.training and activation == "none" and residual is None:
+            ctx.reject(PATTERN, node, "training graph: nothing to fuse; F.linear's own backward is as good")
+            continue
         with graph.inserting_before(last):
             if view is not None and residual is not None:
                 residual = _flat_residual(graph, residual, node)
-            new = graph.call_function(torch.ops.transfuse.linear.default, (x, weight, bias, activation, residual))
+            new = graph.call_function(op, (*_operands(graph, node), activation, residual))
             if view is not None:
                 # the epilogue ran on the linear's own rows: view its result as the model did
                 new.meta["example_value"] = node.meta.get("example_value")
@@ -78,11 +89,29 @@ def _check(node: fx.Node) -> str | None:
         return "input or weight has no recorded tensor value"
     if x.dim() < 2 or w.dim() != 2:
         return "input is 1-D or weight is not 2-D"
-    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
-        return f"dtypes input {x.dtype}, weight {w.dtype} (autocast graphs are not fused yet)"
-    if b is not None and (tensor_meta(b) is None or tensor_meta(b).dtype != x.dtype):
-        return "bias dtype differs from the input's"
+    out = tensor_meta(node)
+    if out is None or (b is not None and tensor_meta(b) is None):
+        return "output or bias has no recorded tensor value"
+    dtypes = {x.dtype, w.dtype, out.dtype} | ({tensor_meta(b).dtype} if b is not None else set())
+    if not dtypes <= set(SUPPORTED_DTYPES):
+        return f"dtypes input {x.dtype}, weight {w.dtype}, output {out.dtype}: not all float16, bfloat16 or float32"
     return None
+
+
+def _operands(graph: fx.Graph, linear: fx.Node) -> tuple:
+    """(x, weight, bias) for the op, each cast to the linear's output dtype where it differs: that is
+    what torch.autocast does to them before the GEMM (outside autocast the dtypes all agree). `.to`
+    is differentiable, so fp32 parameters get their gradients back in fp32, as under autocast."""
+    dtype = tensor_meta(linear).dtype
+    operands = []
+    for a in (arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")):
+        if a is not None and tensor_meta(a).dtype != dtype:
+            with graph.inserting_before(linear):
+                cast = graph.call_method("to", (a, dtype))
+            cast.meta["example_value"] = tensor_meta(a).to(dtype)
+            a = cast
+        operands.append(a)
+    return tuple(operands)
 
 
 def _activation(linear: fx.Node) -> tuple[str, fx.Node]:

@@ -83,7 +83,7 @@ def registry() -> list[Pass]:
         Pass("embedding", embedding.run, "embedding lookups summed into a layer norm -> transfuse.embedding_layer_norm"),
         Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops", trains=True),
         Pass("cross_entropy", cross_entropy.run, "the LM loss (and its head when nothing else reads the logits) -> transfuse.cross_entropy", trains=True),
-        Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear"),
+        Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear (linear_train in training)", trains=True),
         Pass("norm_linear", norm_linear.run, "an RMSNorm or LayerNorm and the one linear reading it -> transfuse.rms_norm_linear / layer_norm_linear"),
         Pass("cache_length", cache_length.run, "every layer's cache-length add_ -> one _foreach_add_ at the end"),
     ]

@@ -1,0 +1,241 @@
+"""The activation step of a linear in training (transfuse::linear_train), which keeps the
+pre-activation for its backward: the backward's activation gradient, and the forward's epilogue
+applied to the stored pre-activation.
+
+    pre:      (M, N), or (M, 2N) = [gate | up] for "silu_mul"; unit stride along columns
+    grad_out: (M, N)  any strides (autograd may hand an expanded gradient)
+    residual: (M, N)  any strides
+    forward:  out      = act(pre) + residual                  silu_mul: silu(gate) * up + residual
+    backward: grad_pre = grad_out * act'(pre)                  silu_mul: [grad_out * up * silu'(gate) |
+                                                                          grad_out * silu(gate)]
+
+out and grad_pre are contiguous, in pre's dtype. Everything is computed in fp32 after the loads
+(the interpreter computes bf16 arithmetic wrongly, and a GPU gains nothing from 16-bit math in a
+memory-bound kernel) and rounded once, at the store.
+
+The derivatives are the ones torch's autograd uses (aten's GELU, SiLU, tanh and threshold
+backward kernels), written with s(z) = 1 / (1 + exp(-z)):
+
+    gelu       Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+    gelu_tanh  0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u',  u = sqrt(2/pi) (x + 0.044715 x^3),
+               u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2); with t = s(2u), 1 + tanh u = 2t and
+               1 - tanh^2 u = 4t (1 - t), so it is t + 2 x t (1 - t) u'
+    relu       1 where x > 0, else 0 (torch tests the output, relu(x) > 0, which is the same set)
+    tanh       1 - tanh^2 x = 4t (1 - t),  t = s(2x)
+    silu       s(x) (1 + x (1 - s(x)))
+
+The sigmoid forms need no tanh (not in core triton.language) and saturate without NaN: where
+exp(-z) overflows to inf, s = 0 and the derivative is 0 (and t (1 - t) is 0 at t = 1), as torch's.
+
+Why the forward epilogue is here: the training op's GEMM is transfuse.linear's bare one (cuBLAS at
+training sizes) writing pre, and this one kernel then applies the activation, gate and residual,
+where eager runs one kernel per op and keeps the same pre for its backward. (A GEMM epilogue
+storing pre and out together would also save this kernel's read of pre: the next step, in
+transfuse.kernels.gemm.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from transfuse.kernels._config import INTERPRET, next_power_of_2
+from transfuse.kernels.gemm import ACTIVATIONS, _activate
+from transfuse.kernels.norm import _round_to
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+
+
+# Under the interpreter: tiles small enough that tiny test shapes cross row and column edges.
+_INTERPRET_CONFIG = ActivationConfig(BLOCK_M=4, BLOCK_N=16, num_warps=1)
+
+
+def activation_config(n_cols: int) -> ActivationConfig:
+    """2048-element tiles on 4 warps, 16 values per thread and tensor: enough loads in flight for a
+    memory-bound kernel without spilling the backward's four live tiles (silu_mul). Rows up to 256
+    columns wide per tile, so that each row segment is one long contiguous read. Not autotuned (no
+    shape keys to bucket, and nothing to gain from tuning a copy-speed kernel); not yet measured
+    on a GPU either: revisit with a bench sweep."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    block_n = min(256, max(16, next_power_of_2(n_cols)))
+    return ActivationConfig(BLOCK_M=2048 // block_n, BLOCK_N=block_n, num_warps=4)
+
+
+# -------------------------------------------------------------------------------------------------
+# Kernels
+# -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _activation_grad(g, x, ACTIVATION: tl.constexpr):
+    """g * act'(x) on fp32 tiles (see the module docstring for each derivative)."""
+    if ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327  # 1 / sqrt(2 pi)
+        g = g * (cdf + x * pdf)
+    elif ACTIVATION == "gelu_tanh":
+        t = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # s(2u), 2 sqrt(2/pi) = 1.5957...
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)  # u', 3 * 0.044715 = 0.134145
+        g = g * (t + 2.0 * x * t * (1.0 - t) * du)
+    elif ACTIVATION == "relu":
+        # where, not g * 0: an inf or NaN gradient behind a dead unit stays 0, as in torch
+        g = tl.where(x > 0.0, g, 0.0)
+    elif ACTIVATION == "tanh":
+        t = _sigmoid(2.0 * x)
+        g = g * (4.0 * t * (1.0 - t))
+    elif ACTIVATION == "silu":
+        s = _sigmoid(x)
+        g = g * (s * (1.0 + x * (1.0 - s)))
+    return g
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count changes with every input shape
+def _activation_fwd_kernel(
+    pre_ptr, stride_pre_m,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    M, N,
+    ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BF16_RNE_BY_HAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    rows = offs_m.to(tl.int64)
+    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+    # Widened right after the load: the interpreter computes bf16 arithmetic wrongly.
+    h = _activate(tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+    if ACTIVATION == "silu_mul":
+        h = h * tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)  # up: N columns on
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + rows[:, None] * stride_res_m + offs_n[None, :] * stride_res_n
+        h += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + rows[:, None] * stride_out_m + offs_n[None, :]
+    tl.store(out_ptrs, _round_to(h, out_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _activation_bwd_kernel(
+    grad_out_ptr, stride_grad_out_m, stride_grad_out_n,
+    pre_ptr, stride_pre_m,
+    grad_pre_ptr, stride_grad_pre_m,
+    M, N,
+    ACTIVATION: tl.constexpr,
+    BF16_RNE_BY_HAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    rows = offs_m.to(tl.int64)
+    grad_out_ptrs = grad_out_ptr + rows[:, None] * stride_grad_out_m + offs_n[None, :] * stride_grad_out_n
+    g = tl.load(grad_out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+    x = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+    grad_pre_ptrs = grad_pre_ptr + rows[:, None] * stride_grad_pre_m + offs_n[None, :]
+    dtype = grad_pre_ptr.dtype.element_ty
+    if ACTIVATION == "silu_mul":
+        up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        s = _sigmoid(x)
+        # d out / d up = silu(gate); d out / d gate = up * silu'(gate), in fp32 with one rounding
+        # each (eager rounds silu(gate), grad * up and grad * silu(gate) on the way)
+        tl.store(grad_pre_ptrs + N, _round_to(g * x * s, dtype, BF16_RNE_BY_HAND), mask=mask)
+        grad = g * up * (s * (1.0 + x * (1.0 - s)))
+    else:
+        grad = _activation_grad(g, x, ACTIVATION)
+    tl.store(grad_pre_ptrs, _round_to(grad, dtype, BF16_RNE_BY_HAND), mask=mask)
+
+
+# -------------------------------------------------------------------------------------------------
+# Launchers
+# -------------------------------------------------------------------------------------------------
+
+
+def check_activation_args(pre: torch.Tensor, activation: str, other: torch.Tensor | None, name: str) -> int:
+    """Validates pre against the activation and `other` (grad_out or residual, (..., N), pre's
+    dtype and device); returns N, the output's last dim."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if pre.dim() < 1 or (activation == "silu_mul" and pre.shape[-1] % 2):
+        raise ValueError(f"pre must be (..., N), or (..., 2N) for silu_mul, got {tuple(pre.shape)}")
+    n = pre.shape[-1] // 2 if activation == "silu_mul" else pre.shape[-1]
+    if pre.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"pre must be float16, bfloat16 or float32, got {pre.dtype}")
+    if other is not None:
+        if tuple(other.shape) != (*pre.shape[:-1], n):
+            raise ValueError(f"{name} must be {(*pre.shape[:-1], n)}, got {tuple(other.shape)}")
+        if other.dtype != pre.dtype or other.device != pre.device:
+            raise ValueError(f"{name} must be {pre.dtype} on {pre.device}, got {other.dtype} on {other.device}")
+    return n
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (M, t.shape[-1]) with unit column stride: a view where the leading dims collapse."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(1) == 1 or t2.shape[1] <= 1 else t2.contiguous()
+
+
+def _launch(kernel, pre: torch.Tensor, n: int, *args, **flags) -> None:
+    if not pre.is_cuda and not INTERPRET:
+        raise RuntimeError(f"transfuse activation kernels run on CUDA tensors (or anywhere under "
+                           f"TRITON_INTERPRET=1); pre is on {pre.device}")
+    m = pre.numel() // pre.shape[-1]
+    config = activation_config(n)
+    grid = (triton.cdiv(m, config.BLOCK_M), triton.cdiv(n, config.BLOCK_N))
+    with torch.cuda.device(pre.device) if pre.is_cuda else contextlib.nullcontext():
+        kernel[grid](*args, m, n, **flags, BF16_RNE_BY_HAND=INTERPRET and pre.dtype == torch.bfloat16,
+                     BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, num_warps=config.num_warps)
+
+
+def activation_fwd(pre: torch.Tensor, activation: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(pre) + residual (silu(gate) * up + residual for "silu_mul"): (..., N), contiguous, in
+    pre's dtype. pre: (..., N) or (..., 2N); residual: (..., N), any strides."""
+    n = check_activation_args(pre, activation, residual, "residual")
+    out = torch.empty((*pre.shape[:-1], n), dtype=pre.dtype, device=pre.device)
+    if out.numel() == 0:
+        return out
+    pre2, out2 = _rows(pre), out.view(-1, n)
+    res2 = residual.reshape(-1, n) if residual is not None else None
+    _launch(_activation_fwd_kernel, pre, n,
+            pre2, pre2.stride(0),
+            res2 if res2 is not None else out2, res2.stride(0) if res2 is not None else 0,
+            res2.stride(1) if res2 is not None else 0,  # absent: out stands in, never read
+            out2, out2.stride(0),
+            ACTIVATION=activation, HAS_RESIDUAL=res2 is not None)
+    return out
+
+
+def activation_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """grad_out * act'(pre), the gradient reaching pre through activation_fwd (both halves for
+    "silu_mul"): pre's shape, contiguous, in pre's dtype. grad_out: (..., N), any strides."""
+    n = check_activation_args(pre, activation, grad_out, "grad_out")
+    grad_pre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
+    if grad_pre.numel() == 0:
+        return grad_pre
+    pre2, grad_pre2 = _rows(pre), grad_pre.view(-1, pre.shape[-1])
+    grad2 = grad_out.reshape(-1, n)
+    _launch(_activation_bwd_kernel, pre, n,
+            grad2, grad2.stride(0), grad2.stride(1),
+            pre2, pre2.stride(0),
+            grad_pre2, grad_pre2.stride(0),
+            ACTIVATION=activation)
+    return grad_pre
