@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.guards import ModuleWatch, drop_module_guards
 from transfuse.report import format_report
+from transfuse.runtime import encoder as _encoder
 from transfuse.runtime import generation as _generation
 from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
@@ -44,6 +45,7 @@ class _State:
         self.static_cache = None
         self.static_cache_reason: str | None = None
         self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
+        self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -202,6 +204,9 @@ def optimize(
         _generation.install(model, state)
     else:
         state.static_cache_reason = "optimize(static_cache=False)"
+    _encoder.install(model, state, dict(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets,
+                                        max_graphs=max_graphs, disable=disable, module_guards=module_guards,
+                                        max_traces=max_traces, **options))
     # Dynamo never frees a backend; free what ours hold (CUDA graphs, merged weights) with the model.
     weakref.finalize(model, _release, state.backends)
     if warmup:
@@ -259,6 +264,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(state, "disable_compile_was"):
         model.generation_config.disable_compile = state.disable_compile_was
     _generation.uninstall(model, state)
+    _encoder.uninstall(model, state)
     delattr(model, _STATE)
     _release(state.backends)
     return model
@@ -285,5 +291,7 @@ def report(model: torch.nn.Module) -> str:
             text += f"\n  generate(): {state.decode_loop.describe()}"
     elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
+    if _encoder.describe(state):
+        text += f"\n  generate(): {_encoder.describe(state)}"
     log.info(text)
     return text

@@ -1,0 +1,60 @@
+"""generate() on an encoder-decoder runs the encoder through get_encoder(), outside the compiled
+forward: runtime/encoder.py compiles it on its own. Tokens equal eager's (left-padded batch, then a
+new batch and length), the encoder's graphs are recorded, a plain forward still traces the encoder
+inside its one graph, and restore() removes the hook."""
+
+import pytest
+import torch
+import transformers
+
+import transfuse
+from tests.models.test_encoder_decoder_families import FAMILIES
+
+
+def _build(family):
+    config_cls, model_cls, config = FAMILIES[family][:3]
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_compiled_for_generate(family):
+    model = _build(family)
+    ids = torch.randint(3, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        ref = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
+               model.generate(ids[:1, :7], max_new_tokens=5, do_sample=False)]
+        transfuse.optimize(model)
+        out = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
+               model.generate(ids[:1, :7], max_new_tokens=5, do_sample=False)]
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
+    state = model._transfuse_state
+    encoder_records = [r for b in state.encoder_call._transfuse_state.backends for r in b.records]
+    assert encoder_records and sum(encoder_records[0].rewrites.values()) > 0
+    assert "the encoder runs compiled on its own" in transfuse.report(model)
+    # generate() alone never traced the model's forward with the encoder inside
+    assert all(r.rewrites for r in state.backend.records)
+    transfuse.restore(model)
+    assert "_prepare_encoder_decoder_kwargs_for_generation" not in model.__dict__
+    assert "get_encoder" not in model.__dict__
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref[0])
+
+
+def test_plain_forward_keeps_one_graph():
+    model = _build("t5")
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        transfuse.optimize(model)
+        model(input_ids=ids, decoder_input_ids=ids[:, :4])
+    assert model._transfuse_state.backend.records[0].rewrites  # the encoder traced inside the forward
+    assert "graph breaks: 0" in transfuse.report(model)
+
+
+def test_decoder_only_models_get_no_encoder_hook():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=97, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    transfuse.optimize(model)
+    assert model._transfuse_state.encoder_call is None
