@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from transfuse.passes.padding import PaddingPlan
-from transfuse.runtime.cuda_graphs import GraphCache, GraphPool, _Captured, run_directly
+from transfuse.runtime.cuda_graphs import capturing, GraphCache, GraphPool, _Captured
 
 
 class BucketPolicy:
@@ -162,13 +162,12 @@ class PaddedRunner(GraphCache):
         stats = self.stats[key]
         stats.calls += 1
         # Padding overhead counted on the first dynamic input (e.g. input_ids: batch x seq).
-        # (.get: indexing the defaultdict would add a None key, and _padded_args would then index args by it)
-        dims = self._dims_of_input.get(self._first_input, [])
+        dims = self._dims_of_input[self._first_input]
         stats.real += math.prod(real[s] for _, s in dims)
         stats.padded += math.prod(target[s] for _, s in dims)
         self._set_key_lens(real)
-        # Without graphs, or as part of the caller's own graph (the decode loop's step): run the kernels.
-        if not self.use_graphs or run_directly():
+        # Without graphs, or inside the caller's own capture (the decode loop's): run the kernels.
+        if not self.use_graphs or capturing():
             outputs = self.fn(*self._padded_args(args, real, target))
             return self._slice_outputs(outputs, real, target, clone=False)
         captured = self.lookup(key, args)
