@@ -162,7 +162,8 @@ class PaddedRunner(GraphCache):
         stats = self.stats[key]
         stats.calls += 1
         # Padding overhead counted on the first dynamic input (e.g. input_ids: batch x seq).
-        dims = self._dims_of_input[self._first_input]
+        # (.get: indexing the defaultdict would add a None key, and _padded_args would then index args by it)
+        dims = self._dims_of_input.get(self._first_input, [])
         stats.real += math.prod(real[s] for _, s in dims)
         stats.padded += math.prod(target[s] for _, s in dims)
         self._set_key_lens(real)
