@@ -58,3 +58,21 @@ def test_decoder_only_models_get_no_encoder_hook():
     model = transformers.GPT2LMHeadModel(config).eval()
     transfuse.optimize(model)
     assert model._transfuse_state.encoder_call is None
+
+
+def test_a_failing_compiled_encoder_falls_back_and_is_reported(monkeypatch):
+    model = _build("t5")
+    ids = torch.randint(3, 97, (1, 8))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+        transfuse.optimize(model)
+        call = model._transfuse_state.encoder_call
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no kernel for this")
+
+        monkeypatch.setattr(call, "forward", broken)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+        again = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert "its compiled run failed: RuntimeError: no kernel for this" in transfuse.report(model)

@@ -9,13 +9,17 @@ graphs), and generate()'s `_prepare_encoder_decoder_kwargs_for_generation` sees 
 encoder while it runs. The model's own forward is untouched: a plain model(...) call still traces
 the encoder inside its one graph, with no graph break. Hugging Face filters the encoder's keyword
 arguments by its forward's signature; the module reports the encoder's own signature, so the same
-arguments reach it.
+arguments reach it. If the compiled encoder raises, that generate() and every later one run the
+encoder as Hugging Face wrote it, with a warning, and the report says why.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger("transfuse")
 _PREPARE = "_prepare_encoder_decoder_kwargs_for_generation"
 
 
@@ -46,14 +50,21 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
     prepare = getattr(model, _PREPARE)
 
     def prepare_with_compiled_encoder(*args, **kwargs):
+        if state.encoder_failure is not None:
+            return prepare(*args, **kwargs)
         model.__dict__["get_encoder"] = lambda *a, **k: call
         try:
             return prepare(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the encoder as written still gives the right answer
+            state.encoder_failure = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log.warning("transfuse: generate()'s encoder runs as written from now on: %s", state.encoder_failure)
         finally:
             model.__dict__.pop("get_encoder", None)
+        return prepare(*args, **kwargs)
 
     model.__dict__[_PREPARE] = prepare_with_compiled_encoder
     state.encoder_call = call
+    state.encoder_failure = None
 
 
 def uninstall(model: torch.nn.Module, state) -> None:
@@ -72,6 +83,8 @@ def describe(state) -> str:
     call = getattr(state, "encoder_call", None)
     if call is None:
         return ""
+    if state.encoder_failure is not None:
+        return f"the encoder runs as Hugging Face wrote it (its compiled run failed: {state.encoder_failure})"
     records = [r for b in call._transfuse_state.backends for r in b.records]
     rewrites = sum(sum(r.rewrites.values()) for r in records)
     return f"the encoder runs compiled on its own: {len(records)} graph(s), {rewrites} rewrite(s)"
