@@ -40,8 +40,9 @@ def main():
         ids = torch.randint(3, model.config.vocab_size, (args.batch, prompt), device="cuda")
         gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
         with torch.inference_mode():
-            for _ in range(2):
-                model.generate(ids, max_new_tokens=64, min_new_tokens=64, **gen)
+            for n in (2, 64):  # both calls' shapes warmed (a new max_new_tokens may trace or capture anew)
+                for _ in range(2):
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen)
             times = {}
             for n in (2, 64):
                 torch.cuda.synchronize()
