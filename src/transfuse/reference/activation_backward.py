@@ -12,16 +12,8 @@ eager autograd uses, in whichever dtype the inputs have.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-_ACTIVATIONS = {
-    "none": lambda h: h,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "relu": F.relu,
-    "tanh": torch.tanh,
-    "silu": F.silu,
-}
+from transfuse.reference.gemm import activate
 
 
 def activation_ref(pre: torch.Tensor, activation: str, residual: torch.Tensor | None = None,
@@ -31,13 +23,7 @@ def activation_ref(pre: torch.Tensor, activation: str, residual: torch.Tensor | 
     if upcast:
         pre = pre.float()
         residual = residual.float() if residual is not None else None
-    if activation == "silu_mul":
-        gate, up = pre.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    elif activation in _ACTIVATIONS:
-        h = _ACTIVATIONS[activation](pre)
-    else:
-        raise ValueError(f"unknown activation {activation!r}")
+    h = activate(pre, activation)
     return h + residual if residual is not None else h
 
 

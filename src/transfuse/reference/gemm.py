@@ -39,14 +39,15 @@ def linear_ref(
         x, weight = x.float(), weight.float()
         bias = bias.float() if bias is not None else None
         residual = residual.float() if residual is not None else None
-    h = F.linear(x, weight, bias)
+    h = activate(F.linear(x, weight, bias), activation)
+    return h + residual if residual is not None else h
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The epilogue's activation on h, in h's dtype; "silu_mul" halves h's last dim."""
     if activation == "silu_mul":
         gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    elif activation in _ACTIVATIONS:
-        h = _ACTIVATIONS[activation](h)
-    else:
+        return F.silu(gate) * up
+    if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}")
-    if residual is not None:
-        h = h + residual
-    return h
+    return _ACTIVATIONS[activation](h)
