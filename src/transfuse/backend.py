@@ -20,6 +20,7 @@ from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
 from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool
+from transfuse.runtime.training_graphs import TrainingGraphs
 from transfuse.runtime.weights import MergedWeights
 
 log = logging.getLogger("transfuse")
@@ -70,7 +71,8 @@ class Backend:
         _check_inputs(gm, example_inputs)
         flops_before = compute_flops(gm)
         # A graph traced with gradients on and a tensor that needs them is a training graph: only
-        # passes whose ops have a backward run, and it is neither replayed as CUDA graphs nor padded.
+        # passes whose ops have a backward run, it is never padded, and it runs as AOTAutograd's
+        # forward and backward graphs (runtime/training_graphs.py), not through these runners.
         training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         ctx = PassContext(gm=gm, example_inputs=list(example_inputs), options=self.options, training=training)
         run_passes(ctx, disabled=frozenset(self.options.get("disable", ())))
@@ -91,7 +93,11 @@ class Backend:
         if plan is not None:
             for symbol, reason in sorted(plan.refused.items(), key=str):
                 ctx.rejections.append(Rejection("BucketPadding", plan.names[symbol], reason + "; run at its exact size"))
-        if plan is not None and plan.paddable:
+        training_runtime = None
+        if training and _training_graphs(self.options, example_inputs):
+            runner, training_runtime = _training_runner(gm, example_inputs, static, self.options)
+            use_graphs = isinstance(runner, TrainingGraphs) and runner.skipped is None
+        elif plan is not None and plan.paddable:
             policy = BucketPolicy(self.options.get("buckets"))
             runner = PaddedRunner(gm, plan, static, self.pool, policy, use_graphs, self.options.get("max_graphs", 32))
         else:
@@ -107,6 +113,10 @@ class Backend:
             nodes=len(gm.graph.nodes),
             training=training,
         )
+        if training_runtime is not None:
+            record.training_runtime = training_runtime
+        if isinstance(runner, TrainingGraphs):
+            runner.record = record  # told when the backward, compiled at its first call, turns graphs off
         self.records.append(record)
         self.graphs.append(gm)
         log.info("transfuse: %s", record.summary())
@@ -137,7 +147,9 @@ class Backend:
                 merged.refresh(args)  # a replaced member of a merged weight is copied in and re-pointed
                 addresses.reset(args)
             if training:
-                return runner(*args)  # autograd records through the graph's ops (ours have backward formulas)
+                # One autograd node for the whole graph (TrainingGraphs), or autograd recording
+                # through the graph's ops (ours have backward formulas).
+                return runner(*args)
             with torch.no_grad():
                 return runner(*args)
 
@@ -147,6 +159,35 @@ class Backend:
 def transfuse_backend(gm: fx.GraphModule, example_inputs: list, **options):
     """Entry for `torch.compile(model, backend="transfuse")`."""
     return Backend(**options)(gm, example_inputs)
+
+
+def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], options: dict):
+    """(runner, how it runs, for the report) of a training graph: TrainingGraphs, or the graph
+    itself under eager autograd where AOTAutograd cannot trace it (the report says why)."""
+    # CUDA graphs only where every input is on the GPU; torch checks the rest (CPU ops, mutations).
+    if not options.get("cuda_graphs", True):
+        graphs, why_not = False, "optimize(cuda_graphs=False)"
+    elif not _on_cuda(example_inputs):
+        graphs, why_not = False, "not on a GPU"
+    else:
+        graphs, why_not = _graph_safe(gm, example_inputs), "an input is not on the GPU"
+    try:
+        runner = TrainingGraphs(gm, example_inputs, static, graphs, why_not)
+    except torch._dynamo.exc.RestartAnalysis:
+        raise  # Dynamo's own control flow (it traces the frame again)
+    except Exception as e:  # an op AOTAutograd cannot trace: today's eager path still runs it
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        log.warning("transfuse: AOTAutograd could not trace a training graph (%s); it runs under eager autograd", reason)
+        return gm, f"eager autograd through the graph's ops (AOTAutograd failed: {reason})"
+    return runner, runner.describe()
+
+
+def _training_graphs(options: dict, example_inputs) -> bool:
+    """Whether a training graph runs as AOTAutograd's forward and backward graphs (replayed as CUDA
+    graphs on a GPU): only when asked for with optimize(model, training_graphs=True). It is meant
+    to become the GPU default (eager autograd's host time per op is what a training step waits for),
+    but it has not run on a GPU yet: until it has, training keeps the eager-autograd path."""
+    return bool(options.get("training_graphs", False))
 
 
 def _on_cuda(example_inputs) -> bool:

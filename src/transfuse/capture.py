@@ -138,6 +138,9 @@ def optimize(
         sliding-window cache's position counter): it then runs as it was, and the report says why.
     static_cache: generate() without a cache named by the user uses a static KV cache, reused across
         calls, so that each decode step replays one CUDA graph (runtime/generation.py).
+    training_graphs (in **options): a training graph runs as AOTAutograd's forward and backward
+        graphs, replayed as CUDA graphs on a GPU (runtime/training_graphs.py). Off by default: it
+        has not run on a GPU yet.
     """
     _check_model(model)
     if hasattr(model, _STATE):

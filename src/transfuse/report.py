@@ -22,6 +22,7 @@ class GraphRecord:
     cuda_graphs: bool
     nodes: int
     training: bool = False  # traced with gradients: the forward of a training step
+    training_runtime: str = "eager autograd through the graph's ops"  # see runtime/training_graphs.py
 
     def summary(self) -> str:
         share = self.flops_transfuse / self.flops_total if self.flops_total else 0.0
@@ -115,7 +116,8 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
         lines.append(f"  matmul/attention FLOPs in transfuse kernels: {ours / total:.1%}")
     trained = sum(r.training for r in records)
     if trained:
-        lines.append(f"  training graphs: {trained} (no CUDA graphs, no padding)")
+        lines.append(f"  training graphs: {trained} (no padding)")
+        lines.extend(f"    run as {how}: {n}" for how, n in sorted(Counter(r.training_runtime for r in records if r.training).items()))
         in_training: Counter = Counter()
         for r in records:
             if r.training:

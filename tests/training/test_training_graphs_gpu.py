@@ -1,0 +1,171 @@
+"""On the GPU a training graph runs as AOTAutograd's forward and backward graphs replayed as CUDA
+graphs (cudagraph trees, runtime/training_graphs.py). Against the same model under eager autograd
+(optimize(training_graphs=False): the same kernels, so fp32 results agree to rounding): equal
+losses and gradients through AdamW steps with gradient accumulation; steps after the recording
+replay without capturing again; a new batch shape records once and the old one still replays;
+dropout draws eager's masks at every replay."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.bench.nanogpt import GPT, tiny_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """How many CUDA graphs have been captured since the test began (cudagraph trees records
+    through torch.cuda.graph, which calls CUDAGraph.capture_begin)."""
+    count = [0]
+    real = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    return count
+
+
+def _models(**config):
+    torch.manual_seed(0)
+    graphs = GPT(tiny_config(**config)).cuda().train()
+    eager = copy.deepcopy(graphs)
+    transfuse.optimize(graphs, training_graphs=True)  # AOTAutograd + CUDA graphs (opt-in until GPU-verified)
+    transfuse.optimize(eager, training_graphs=False)
+    return graphs, eager
+
+
+def _batches(gen, shape, n=2):
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 97, shape, generator=gen)
+        out.append((x.cuda(), x.roll(-1, 1).cuda()))
+    return out
+
+
+def _step(model, opt, batches, seed=None):
+    """One optimizer step over the micro-batches; the losses and the gradients it applied."""
+    losses = []
+    for x, y in batches:
+        if seed is not None:
+            torch.manual_seed(seed)
+        _, loss = model(x, y)
+        (loss / len(batches)).backward()
+        losses.append(loss.item())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _assert_same_step(ours, theirs):
+    (losses, grads), (ref_losses, ref_grads) = ours, theirs
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for name, g in grads.items():
+        r = ref_grads[name]
+        err = ((g - r).norm() / r.norm().clamp_min(1e-12)).item()
+        assert err < 1e-3, (name, err)
+
+
+def test_steps_equal_eager_autograd_and_replay_without_capturing(captures):
+    graphs, eager = _models()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphs, eager)]
+    gen = torch.Generator().manual_seed(1)
+    after = []
+    for _ in range(4):
+        batches = _batches(gen, (4, 32))  # gradient accumulation: 2 micro-batches, grads set to None after
+        _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
+        after.append(captures[0])
+    assert after[1] > 0, after  # the forward and the backward were recorded...
+    assert after[3] == after[1], after  # ...and replayed after that
+    report = transfuse.report(graphs)
+    assert "replayed as CUDA graphs (cudagraph trees)" in report and "CUDA graphs: on" in report, report
+    # Evaluation in between: an inference graph of its own. Back in train() the model is traced
+    # afresh (optimize() traces again after a changed training flag), so its graphs record anew, then replay.
+    for m in (graphs, eager):
+        m.eval()
+    x, _ = _batches(gen, (2, 32), 1)[0]
+    with torch.no_grad():
+        assert torch.allclose(graphs(x)[0], eager(x)[0], rtol=1e-3, atol=1e-3)
+    for m in (graphs, eager):
+        m.train()
+    after = []
+    for _ in range(3):
+        _assert_same_step(*(_step(m, o, _batches(gen, (4, 32))) for m, o in zip((graphs, eager), opts)))
+        after.append(captures[0])
+    assert after[2] == after[1], after
+
+
+def test_new_batch_shape_records_once_and_the_old_one_still_replays(captures):
+    graphs, eager = _models()
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (graphs, eager)]
+    gen = torch.Generator().manual_seed(2)
+    for shape in [(4, 32)] * 3 + [(2, 24)] * 3:
+        _assert_same_step(*(_step(m, o, _batches(gen, shape)) for m, o in zip((graphs, eager), opts)))
+    settled = captures[0]
+    for shape in [(4, 32), (2, 24)]:
+        _assert_same_step(*(_step(m, o, _batches(gen, shape)) for m, o in zip((graphs, eager), opts)))
+    assert captures[0] == settled
+
+
+def test_several_forwards_before_one_backward():
+    """Losses of two micro-batches summed, one backward: the second forward replays as a child of
+    the first in the tree (the first's saved tensors are still alive)."""
+    graphs, eager = _models()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        batches = _batches(gen, (4, 32))
+        grads = []
+        for m in (graphs, eager):
+            sum(m(x, y)[1] for x, y in batches).backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+            m.zero_grad(set_to_none=True)
+        for name, g in grads[0].items():
+            r = grads[1][name]
+            assert ((g - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-3, name
+
+
+def test_accumulating_into_existing_grads():
+    """zero_grad(set_to_none=False): .grad tensors outlive every step, the backward adds into them."""
+    graphs, eager = _models()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphs, eager)]
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        batches = _batches(gen, (4, 32))
+        results = []
+        for m, opt in zip((graphs, eager), opts):
+            for x, y in batches:
+                (m(x, y)[1] / 2).backward()
+            results.append({name: p.grad.clone() for name, p in m.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        for name, g in results[0].items():
+            r = results[1][name]
+            assert ((g - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-3, name
+
+
+def test_dropout_draws_eager_masks_at_every_replay():
+    """A CUDA graph advances the default generator's philox offset at each replay as the ops it holds
+    would eagerly: under one seed the replayed step draws eager's masks; under another, new ones."""
+    graphs, eager = _models(dropout=0.1)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (graphs, eager)]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        batches = _batches(gen, (4, 32))
+        _assert_same_step(*(_step(m, o, batches, seed=100 + step) for m, o in zip((graphs, eager), opts)))
+    x, y = _batches(gen, (4, 32), 1)[0]
+    losses = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        loss = graphs(x, y)[1]
+        loss.backward()
+        losses.append(loss.item())
+        graphs.zero_grad(set_to_none=True)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] != pytest.approx(losses[0], rel=1e-4), losses
