@@ -10,8 +10,8 @@
 Why a second GEMV: gemv.py's kernel streams weight rows along K, 16 bytes a thread; on this layout
 those loads would be 2-byte gathers N elements apart. Here a program owns BLOCK_N adjacent output
 columns and walks K: each (BLOCK_K, BLOCK_N) tile is BLOCK_K row segments of BLOCK_N contiguous
-elements, each thread loading 16 bytes of a segment, and the products are summed over the tile's K
-axis (tl.sum) once per step. Measured before this kernel (H100, fp16, 1 row, in a CUDA graph,
+elements, each thread loading 16 bytes of a segment and accumulating its products in registers; the
+sum over the tile's K axis (across lanes and warps) runs once, after the loop. Measured before this kernel (H100, fp16, 1 row, in a CUDA graph,
 bench/kernels/bench_gemv_kmajor.py): cuBLAS on the (K, N) layout took 4.7 / 4.1 / 5.0 / 7.7 us on
 GPT-2's four linears where gemv.py's kernel on an (N, K) copy took 3.2 / 2.3 / 3.7 / 4.1 us; this
 kernel's best configs take 4.2 / 3.2 / 4.4 / 5.6 us (the weight tile's sum over K crosses warps;
