@@ -1,7 +1,7 @@
 """Encoder-decoder families through optimize() on the CPU (interpreter): logits equal to eager with
 padding in the encoder input, greedy generate() equal to eager (beam search: test_generate.py), and
 the golden number of matches each pass makes on the first trace (encoder and decoder of one
-forward). Tiny configs: 2+2 layers, hidden 64."""
+forward). Tiny configs: 2+2 layers, hidden 32 or 64, two heads."""
 
 import pytest
 import torch
@@ -17,20 +17,20 @@ ATTENTION = {"TorchSDPA": 6, "SiblingLinears": 5, "LinearEpilogue": 22}  # 2 enc
 FAMILIES = {
     # v1.0: ReLU FFN, tied head; relative-position bias added to every attention's scores
     "t5": ("T5Config", "T5ForConditionalGeneration",
-           dict(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4, **COMMON),
+           dict(d_model=32, d_kv=16, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2, **COMMON),
            {**ATTENTION, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10,
             "RMSNormLinear": 10}),
     # v1.1 / flan: gated-GELU FFN (its gate and up merged, the GELU gate not fused), untied head, a head
     # dim that is not d_model / heads
     "t5-v1.1": ("T5Config", "T5ForConditionalGeneration",
-                dict(d_model=64, d_kv=24, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=3,
+                dict(d_model=64, d_kv=24, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2,
                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, **COMMON),
                 {**ATTENTION, "SiblingLinears": 9, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2,
                  "ResidualRMSNorm": 10, "RMSNormLinear": 11}),
     # learned positions, post-norm, GELU
     "bart": ("BartConfig", "BartForConditionalGeneration",
-             dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                  encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, forced_eos_token_id=None, **COMMON),
+             dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, forced_eos_token_id=None, **COMMON),
              {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1, "LayerNormLinear": 1}),
 }
 

@@ -12,9 +12,9 @@ import transfuse
 def _lm(family, **config):
     common = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
     if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common))
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
         max_position_embeddings=64, **common))
 
 
@@ -63,17 +63,17 @@ def test_default_static_cache_is_reused_and_user_caches_are_left_alone():
     model = _lm("llama").eval()
     ids = torch.randint(3, 97, (2, 5))
     with torch.no_grad():
-        ref6 = model.generate(ids, max_new_tokens=6, do_sample=False)
-        ref9 = model.generate(ids, max_new_tokens=9, do_sample=False)
+        ref3 = model.generate(ids, max_new_tokens=3, do_sample=False)
+        ref5 = model.generate(ids, max_new_tokens=5, do_sample=False)
         transfuse.optimize(model)
         state = model._transfuse_state
-        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), ref6)
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), ref3)
         (cache, length), = state.static_cache.caches.values()
         keys = cache.layers[0].keys
-        assert torch.equal(model.generate(ids, max_new_tokens=9, do_sample=False), ref9)
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref5)
         assert state.static_cache.reused == 1 and cache.layers[0].keys is keys  # same tensors: same graphs
         user = transformers.DynamicCache(config=model.config)
-        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=user), ref6)
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=user), ref3)
         assert user.get_seq_length() > 0 and state.static_cache.reused == 1
     assert "static KV cache by default: 1 created, 1 reused" in transfuse.report(model)
     transfuse.restore(model)
@@ -208,10 +208,10 @@ def _seq2seq(family):
     common = dict(vocab_size=97, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     if family == "t5":
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
-            d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4, **common))
+            d_model=32, d_kv=16, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2, **common))
     return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, bos_token_id=2, forced_eos_token_id=None,
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, bos_token_id=2, forced_eos_token_id=None,
         **common))
 
 

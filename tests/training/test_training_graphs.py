@@ -101,7 +101,7 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     transfuse.optimize(model, training_graphs=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for _ in range(2):  # the second step's gradients are taken at the weights AdamW moved
         micro = [torch.randint(0, 97, (2, 16), generator=gen) for _ in range(2)]
         for m in (model, reference):
             for ids in micro:  # two micro-batches, one optimizer step's worth of gradients
