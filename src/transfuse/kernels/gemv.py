@@ -58,6 +58,7 @@ from transfuse.kernels import gemv_kmajor
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials, check_linear_args
 from transfuse.kernels.norm import _round_to
+from transfuse.kernels.norm_prologue import NormPrologue, launch_args
 
 GEMV_M_MAX = 16  # rows gemv_fwd takes
 GEMV_FAST_M_MAX = 2  # rows up to which it matched or beat cuBLAS on every Llama shape (see above)
@@ -353,20 +354,6 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_M_M
             and rows <= min(max_rows, GEMV_M_MAX) and _weight_layout_ok(weight))
 
 
-class NormPrologue(NamedTuple):
-    """The norm that norm_gemv_fwd applies to x before the GEMV, as transfuse's norm ops define it:
-    residual (same shape as x) or None, weight (K,) or None, and for a LayerNorm (`layer`) its
-    bias (K,) or None; weight_offset and cast_before_weight are rms_norm's (0 and False for a
-    LayerNorm)."""
-    residual: torch.Tensor | None
-    weight: torch.Tensor | None
-    eps: float
-    weight_offset: float
-    cast_before_weight: bool
-    bias: torch.Tensor | None = None
-    layer: bool = False
-
-
 NORM_K_MAX = 8192  # the whole row is one K step in registers: 64 fp32 values a thread at 8 warps
 
 
@@ -408,10 +395,12 @@ def norm_gemv_fwd(
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
+    prologue = norm._replace(residual=res2)
     if gemv_kmajor.kmajor_layout(weight):
         gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, None, out, gemv_bucket(M), _num_sms(x.device),
-                                    norm._replace(residual=res2), summed)
+                                    prologue, summed)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
+    norm_args, norm_flags = launch_args(prologue, x2, summed)
     conf = default_config(M, N, K, _num_sms(x.device), activation == "silu_mul")
     vec = min(conf.block_k, 16 // x.element_size())
     # One K step holds the whole row; enough warps that a thread keeps at most 64 of its values.
@@ -424,14 +413,9 @@ def norm_gemv_fwd(
         weight, weight.stride(0),
         *epilogue.args,
         *epilogue.part_args,
-        res2 if res2 is not None else x2, res2.stride(0) if res2 is not None else 0,
-        norm.weight if norm.weight is not None else x2, norm.bias if norm.bias is not None else x2,
-        summed, summed.stride(0) if res2 is not None else 0,
-        float(norm.eps), float(norm.weight_offset),
+        *norm_args,
         M, N, K, 1,
-        **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=block_k, VEC=vec,
-        NORM=True, NORM_RESIDUAL=res2 is not None, NORM_WEIGHT=norm.weight is not None,
-        NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer, CAST_BEFORE_WEIGHT=norm.cast_before_weight,
+        **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=block_k, VEC=vec, **norm_flags,
         BF16_RNE_BY_HAND=INTERPRET and x.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=1, **pdl(x2),
     )
@@ -488,7 +472,7 @@ def gemv_fwd(
         weight, weight.stride(0),
         *epilogue.args,
         *epilogue.part_args,
-        x2, 0, x2, x2, x2, 0, 0.0, 0.0,  # no norm prologue: stand-ins, never read
+        *launch_args(None, x2)[0],  # no norm prologue: stand-ins, never read
         M, N, K, split_k,
         **epilogue.flags, BLOCK_M=bucket, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         VEC=min(conf.block_k, 16 // x.element_size()),

@@ -35,6 +35,7 @@ import triton.language as tl
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials
 from transfuse.kernels.norm import _round_to
+from transfuse.kernels.norm_prologue import launch_args
 
 _REDUCE_BLOCK_N = 256
 
@@ -282,16 +283,9 @@ def gemv_kmajor_fwd(
     conf = KMajorConfig(*config) if config is not None else default_config(M, N, K, num_sms)
     split_k = max(1, min(conf.split_k, triton.cdiv(K, conf.block_k)))
     epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
-    norm_args: tuple = (x2, 0, x2, x2, x2, 0, 0.0, 0.0)  # no norm prologue: stand-ins, never read
-    norm_flags: dict = {}
+    norm_args, norm_flags = launch_args(norm, x2, summed)
     if norm is not None:
-        nres = norm.residual
-        norm_args = (nres if nres is not None else x2, nres.stride(0) if nres is not None else 0,
-                     norm.weight if norm.weight is not None else x2, norm.bias if norm.bias is not None else x2,
-                     summed, summed.stride(0) if nres is not None else 0, float(norm.eps), float(norm.weight_offset))
-        norm_flags = dict(NORM=True, NORM_RESIDUAL=nres is not None, NORM_WEIGHT=norm.weight is not None,
-                          NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer,
-                          CAST_BEFORE_WEIGHT=norm.cast_before_weight, NORM_BLOCK=next_power_of_2(K))
+        norm_flags["NORM_BLOCK"] = next_power_of_2(K)
     _gemv_kmajor_kernel[(triton.cdiv(N, conf.block_n), split_k)](
         x2, x2.stride(0),
         weight, weight.stride(1),
