@@ -294,7 +294,8 @@ def report(model: torch.nn.Module) -> str:
             text += f"\n  generate(): {state.decode_loop.describe()}"
     elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
-    if _encoder.describe(state):
-        text += f"\n  generate(): {_encoder.describe(state)}"
+    encoder = _encoder.describe(state)
+    if encoder:
+        text += f"\n  generate(): {encoder}"
     log.info(text)
     return text
