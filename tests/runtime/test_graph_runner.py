@@ -118,3 +118,25 @@ def test_no_more_captures_once_the_cache_thrashes(monkeypatch):
     results = [runner(x) for x in shapes]
     assert len(_FakeCaptured.made) == 7 and results.count(("replayed",)) <= 4  # the kept graphs still replay
     assert "evicted before a replay" in __import__("transfuse.report", fromlist=["x"])._uncaptured_why(runner)
+
+
+def test_part_of_callers_graph_runs_the_kernels_directly(monkeypatch):
+    """In a step the caller captures whole (the decode loop's), the runner neither captures a graph
+    of its own nor copies inputs and clones outputs: it calls the function, however often the
+    signature comes; outside such a step it captures on the second sighting as before."""
+    monkeypatch.setattr(cuda_graphs, "_Captured", _FakeCaptured)
+    _FakeCaptured.made = []
+    out = torch.ones(3)
+    runner = CudaGraphRunner(lambda *args: (out,), [], GraphPool(), max_graphs=2)
+    a = torch.zeros(2, 3)
+    with cuda_graphs.part_of_callers_graph():
+        for _ in range(3):
+            result = runner(a)
+            assert result[0] is out  # the function's own output: no clone
+        with cuda_graphs.part_of_callers_graph():
+            assert runner(a)[0] is out
+        assert cuda_graphs.run_directly()
+    assert not cuda_graphs.run_directly()
+    assert _FakeCaptured.made == [] and not runner.graphs
+    runner(a), runner(a)
+    assert _FakeCaptured.made == [(2, 3)]

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from transfuse.passes.padding import PaddingPlan
-from transfuse.runtime.cuda_graphs import capturing, GraphCache, GraphPool, _Captured
+from transfuse.runtime.cuda_graphs import GraphCache, GraphPool, _Captured, run_directly
 
 
 class BucketPolicy:
@@ -167,8 +167,8 @@ class PaddedRunner(GraphCache):
         stats.real += math.prod(real[s] for _, s in dims)
         stats.padded += math.prod(target[s] for _, s in dims)
         self._set_key_lens(real)
-        # Without graphs, or inside the caller's own capture (the decode loop's): run the kernels.
-        if not self.use_graphs or capturing():
+        # Without graphs, or as part of the caller's own graph (the decode loop's step): run the kernels.
+        if not self.use_graphs or run_directly():
             outputs = self.fn(*self._padded_args(args, real, target))
             return self._slice_outputs(outputs, real, target, clone=False)
         captured = self.lookup(key, args)

@@ -9,11 +9,15 @@
   a later call.
 * The first call of a signature runs eagerly first (Triton compiles and autotunes there, never inside
   capture), then captures.
+* A forward that is one part of a step its caller captures whole (the decode loop's, see
+  `part_of_callers_graph`) runs its kernels directly: no graph, input copy or output clone of its own.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
 import time
 from typing import Callable
 
@@ -38,6 +42,29 @@ class GraphPool:
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured (False on a build without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_CALLER = threading.local()
+
+
+@contextlib.contextmanager
+def part_of_callers_graph():
+    """Forwards called in this block belong to a step that the caller captures as one CUDA graph of
+    its own, now or right after this eager run (the decode loop). A runner's copies of the inputs
+    and clones of the outputs would then be graph nodes replayed every token for nothing, and a
+    graph of the runner's own, captured before the caller's, memory spent on a graph never replayed."""
+    depth = getattr(_CALLER, "depth", 0)
+    _CALLER.depth = depth + 1
+    try:
+        yield
+    finally:
+        _CALLER.depth = depth
+
+
+def run_directly() -> bool:
+    """Whether a runner should run its kernels as they are: inside a capture (it is part of the
+    caller's graph, whatever the caller said) or in a caller's step (part_of_callers_graph)."""
+    return getattr(_CALLER, "depth", 0) > 0 or capturing()
 
 
 # One C call compares every address (torch's CUDA-graph trees use it); not in every build.
@@ -186,8 +213,8 @@ class CudaGraphRunner(GraphCache):
         return tuple(out)
 
     def __call__(self, *args):
-        if capturing():
-            return self.fn(*args)  # inside the caller's own capture (the decode loop's): be part of it
+        if run_directly():
+            return self.fn(*args)  # part of the caller's own graph (the decode loop's step)
         key = self.signature(args)
         captured = self.lookup(key, args)
         if captured is None:

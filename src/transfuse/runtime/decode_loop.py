@@ -12,12 +12,22 @@ so the GPU idles most of each step whatever the kernels do.
     column (1,)     the mask column of the next token     out (B, max_new)  the tokens chosen
     unfinished (B,) rows not yet past EOS                 done (max_new,)   all rows finished, per step
 
-One step = prepare inputs -> forward (transfuse's compiled forward) -> logits processors -> argmax
-or multinomial -> EOS bookkeeping -> buffers advanced in place. Every operand has a fixed address,
+One step = inputs -> forward (transfuse's compiled forward) -> logits processors -> argmax or
+multinomial -> EOS bookkeeping -> buffers advanced in place. Every operand has a fixed address,
 so the whole step is captured once per (batch, cache, sampling settings) and replayed for every
-later token of every later call. The host looks at the GPU only every CHECK_EVERY steps, through a
-non-blocking copy of "all rows finished", and the steps run past the end (at most a few) are cut off
-using `done`: the returned tokens are exactly those of Hugging Face's loop.
+later token of every later call.
+
+Inside that graph every launch costs about a microsecond whatever it does, so the step keeps to few
+besides the model's: the inputs are the buffers themselves, not prepare_inputs_for_generation's
+fresh clones and 4-D mask (runtime/step_inputs.py, where that is exact); greedy takes the argmax of
+the logits in their own dtype (no fp32 copy) with kernels/argmax.py; and the bookkeeping (EOS,
+padding of finished rows, out/done, the counters, the next mask column and position) is one kernel,
+kernels/decode_step.py, which also finishes the argmax. A greedy Llama step launches two kernels of
+its own besides the model's; written with torch ops it was thirty (bench/decode_step_census.py).
+
+The host looks at the GPU only every CHECK_EVERY steps, through a non-blocking copy of "all rows
+finished", and the steps run past the end (at most a few) are cut off using `done`: the returned
+tokens are exactly those of Hugging Face's loop.
 
 Encoder-decoders (T5, BART): the decoder has no 2-D mask or position ids to advance; the inputs that
 hold for the whole call (encoder states, the encoder's mask) are copied into the key's own buffers at
@@ -44,7 +54,10 @@ import math
 
 import torch
 
-from transfuse.runtime.cuda_graphs import AddressCheck
+from transfuse.kernels.argmax import argmax_partials
+from transfuse.kernels.decode_step import decode_step_fwd
+from transfuse.runtime.cuda_graphs import AddressCheck, part_of_callers_graph
+from transfuse.runtime.step_inputs import StepInputs, fixed_inputs
 
 log = logging.getLogger("transfuse")
 
@@ -90,9 +103,10 @@ class _Buffers:
         # Per min-length processor: its threshold on cur_len and the vocabulary entries it blocks.
         self.min_len = torch.zeros(max(1, min_lengths), **long)
         self.min_len_blocked = torch.zeros(max(1, min_lengths), vocab, dtype=torch.bool, device=device)
-        # Per forcing processor: the cur_len at which it applies and the entries it allows.
+        # Per forcing processor: the cur_len at which it applies and the scores it forces there (0 for
+        # the tokens it allows, -inf elsewhere: made once per call, not every step).
         self.forced_len = torch.zeros(max(1, forced), **long)
-        self.forced_allowed = torch.zeros(max(1, forced), vocab, dtype=torch.bool, device=device)
+        self.forced_scores = torch.zeros(max(1, forced), vocab, dtype=torch.float32, device=device)
 
 
 class _Entry:
@@ -104,6 +118,7 @@ class _Entry:
         self.params: AddressCheck | None = None
         self.no_graph_reason: str | None = None
         self.constant: dict = {}  # the model inputs that hold for the whole call, at fixed addresses
+        self.step_inputs: StepInputs | None = None  # set by the key's first step (runtime/step_inputs.py)
 
 
 class DecodeLoop:
@@ -195,7 +210,9 @@ class DecodeLoop:
 
         outputs = model._prefill(input_ids, generation_config, model_kwargs)
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=seq2seq)
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        # A copy: the prefill's outputs may hold every position's logits. (In their own dtype: _choose
+        # widens them to fp32 where Hugging Face's processors or softmax need it.)
+        logits = outputs.logits[:, -1].to(copy=True, device=input_ids.device)
         del outputs
 
         # The 2-D mask is indexed by absolute position (a sliding-window layer's cache is shorter
@@ -226,20 +243,28 @@ class DecodeLoop:
         _copy_into(entry.constant, constant)
         constant = entry.constant
         self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len, seq2seq)
+        if entry.step_inputs is not None and not seq2seq:
+            entry.step_inputs.reset(b.mask)
 
-        def choose(logits):
-            self._choose(logits, b, entry.eos, logits_processor, do_sample)
+        def choose(logits, advance=None):
+            self._choose(logits, b, entry.eos, logits_processor, do_sample, advance)
+
+        per_token = {} if seq2seq else dict(attention_mask=b.mask, position_ids=b.positions)
 
         def step():
-            per_token = {} if seq2seq else dict(attention_mask=b.mask, position_ids=b.positions)
-            inputs = model.prepare_inputs_for_generation(
-                b.tokens, next_sequence_length=1, past_key_values=cache, **per_token, **constant)
+            fixed = entry.step_inputs
+            if fixed is None or fixed.inputs is None:
+                inputs = model.prepare_inputs_for_generation(
+                    b.tokens, next_sequence_length=1, past_key_values=cache, **per_token, **constant)
+                if fixed is None:  # the key's first step (eager): may the later ones skip the preparation?
+                    passed = [cache, *per_token.values(), *constant.values()]
+                    fixed = entry.step_inputs = fixed_inputs(model, inputs, b.tokens, passed,
+                                                             None if seq2seq else b.mask)
+            else:
+                inputs = fixed.inputs
             out = model(**inputs, return_dict=True)
-            choose(out.logits[:, -1].to(dtype=torch.float32))
-            if not seq2seq:
-                b.mask.index_fill_(1, b.column, 1)
-                b.column.add_(1)
-                b.positions.add_(1)
+            # The next token's mask column: in the 4-D mask the step feeds, else in the 2-D one.
+            choose(out.logits[:, -1], None if seq2seq else fixed.mask if fixed.mask is not None else b.mask)
 
         choose(logits)  # the prefill's token
         chosen = 1
@@ -282,15 +307,15 @@ class DecodeLoop:
                 b.positions.copy_(positions[:, -1:])
             else:  # the model derives positions from the cache; they are not read
                 b.positions.fill_(n - 1)
+        # out, done and all_done need no reset: every entry read back is written by this call's steps.
         b.step.zero_()
         b.cur_len.fill_(prompt_len)
-        b.out.zero_()
-        b.done.zero_()
-        b.all_done.zero_()
         b.unfinished.fill_(True)
         pad = generation_config._pad_token_tensor
         b.pad.fill_(int(pad) if pad is not None else 0)
-        b.min_len_blocked.zero_()
+        names = [type(p).__name__ for p in logits_processor]
+        if any(n in _MIN_LENGTH for n in names):
+            b.min_len_blocked.zero_()
         i = 0
         for p in logits_processor:
             name = type(p).__name__
@@ -301,17 +326,21 @@ class DecodeLoop:
             ids = [j for j in _ids(p.eos_token_id) if 0 <= j < b.min_len_blocked.shape[1]]
             b.min_len_blocked[i, ids] = True
             i += 1
-        b.forced_allowed.zero_()
         forced = [p for p in logits_processor if type(p).__name__ in _FORCED]
+        if forced:
+            b.forced_scores.fill_(-math.inf)
         for i, p in enumerate(forced):
             eos = type(p).__name__ == "ForcedEOSTokenLogitsProcessor"
             b.forced_len[i] = p.max_length - 1 if eos else 1
             ids = _ids(p.eos_token_id) if eos else [int(p.bos_token_id)]
-            b.forced_allowed[i, [j for j in ids if 0 <= j < b.forced_allowed.shape[1]]] = True
+            b.forced_scores[i, [j for j in ids if 0 <= j < b.forced_scores.shape[1]]] = 0.0
 
-    def _choose(self, logits, b: _Buffers, eos, logits_processor, do_sample: bool) -> None:
-        """Hugging Face's token choice on the step's logits, written into the buffers."""
+    def _choose(self, logits, b: _Buffers, eos, logits_processor, do_sample: bool, advance=None) -> None:
+        """Hugging Face's token choice on the step's logits (B, vocab), written into the buffers; with
+        `advance` (the mask the step fed), also the next token's mask column and position."""
         scores = logits
+        if do_sample or len(logits_processor):
+            scores = logits.to(dtype=torch.float32)  # Hugging Face's processors and softmax see fp32 scores
         i = f = 0
         for p in logits_processor:
             if type(p).__name__ in _MIN_LENGTH:
@@ -320,33 +349,35 @@ class DecodeLoop:
                 i += 1
             elif type(p).__name__ in _FORCED:
                 # HF: at that length every score is -inf but the forced tokens', which are 0.
-                forced = torch.where(b.forced_allowed[f], 0.0, -math.inf).to(scores.dtype)
-                scores = torch.where(b.cur_len == b.forced_len[f], forced, scores)
+                scores = torch.where(b.cur_len == b.forced_len[f], b.forced_scores[f], scores)
                 f += 1
             else:
                 scores = p(None, scores)
         if do_sample:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            source = dict(chosen=torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1))
         else:
-            tokens = torch.argmax(scores, dim=-1)
+            # Greedy: the argmax of the logits in their own dtype is the fp32 scores' (fp32 holds fp16
+            # and bf16 exactly), so no cast; its last step runs in the bookkeeping kernel.
+            source = dict(partials=argmax_partials(scores))
         if eos is not None:
-            tokens = torch.where(b.unfinished, tokens, b.pad)
-            b.unfinished.logical_and_(~torch.isin(tokens, eos))
-        b.out.index_copy_(1, b.step, tokens[:, None])
-        b.all_done.copy_(~b.unfinished.any())
-        b.done.index_copy_(0, b.step, b.all_done[None])
-        b.tokens.copy_(tokens[:, None])
-        b.step.add_(1)
-        b.cur_len.add_(1)
+            source.update(pad=b.pad, eos=eos)
+        if advance is not None:
+            source.update(mask=advance.view(advance.shape[0], -1), column=b.column, positions=b.positions)
+        decode_step_fwd(tokens=b.tokens, step=b.step, cur_len=b.cur_len, out=b.out, done=b.done,
+                        all_done=b.all_done, unfinished=b.unfinished, **source)
 
     def _run_step(self, entry: _Entry, step) -> None:
         if entry.graph is not None:  # still valid: checked at the start of the call
             entry.graph.replay()
             self.steps_replayed += 1
             return
-        step()
+        own_graph = self.use_graphs and entry.no_graph_reason is None
+        # A step about to be captured whole: the forward's runner captures nothing of its own. (A step
+        # that cannot be captured lets the runner replay the forward's graph, the next best thing.)
+        with part_of_callers_graph() if own_graph else contextlib.nullcontext():
+            step()
         self.steps_eager += 1
-        if self.use_graphs and entry.no_graph_reason is None and entry.graph is None:
+        if own_graph:
             self._capture(entry, step)
 
     def _capture(self, entry: _Entry, step) -> None:
@@ -354,7 +385,7 @@ class DecodeLoop:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.state.backend.pool.get()):
+            with torch.cuda.graph(graph, pool=self.state.backend.pool.get()), part_of_callers_graph():
                 step()
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
             entry.no_graph_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -379,6 +410,9 @@ class DecodeLoop:
         reasons = [e.no_graph_reason for e in self.entries.values() if e.no_graph_reason]
         if reasons:
             text += f"; without a graph: {reasons[-1]}"
+        prepared = [e.step_inputs.reason for e in self.entries.values() if e.step_inputs and e.step_inputs.reason]
+        if prepared:
+            text += f"\n    inputs prepared by Hugging Face every step: {prepared[-1]}"
         for reason, n in self.left_to_hf.most_common():
             text += f"\n    left to Hugging Face's loop x{n}: {reason}"
         return text
