@@ -1,7 +1,8 @@
 """Where a training step's GPU time goes: nanoGPT GPT-2 124M (hand-written attention, vocab 50257),
 bf16 autocast, fused AdamW, transfuse.optimize or eager SDPA.
 
-    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|sdpa] [--batch 8] [--seq 1024]
+    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|transfuse-graphs|sdpa|compile-sdpa-pad]
+        [--batch 8] [--seq 1024]
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from transfuse.bench.nanogpt import GPT, GPTConfig, set_attention
+from transfuse.bench.nanogpt import GPT, GPTConfig, pad_vocab, set_attention
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "sdpa"])
+    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "transfuse-graphs", "sdpa", "compile-sdpa-pad"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)
@@ -25,12 +26,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(GPTConfig()).cuda().train()
-    if args.provider == "sdpa":
+    if args.provider in ("sdpa", "compile-sdpa-pad"):
         set_attention(model, True)
-    else:
+    if args.provider == "compile-sdpa-pad":
+        pad_vocab(model, 64, seed=0)
+        model = torch.compile(model)
+    elif args.provider.startswith("transfuse"):
         import transfuse
 
-        transfuse.optimize(model)
+        transfuse.optimize(model, training_graphs=args.provider == "transfuse-graphs")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
 
@@ -48,7 +52,8 @@ def main() -> None:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    print(f"{args.provider}: GPU kernels over 2 steps")
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    print(f"{args.provider}: GPU kernels over 2 steps ({total_us / 2e3:.2f} ms of kernel time per step)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     if args.gc:
         import gc

@@ -32,12 +32,12 @@ def test_argmax_ties_nan_inf_and_signed_zero(dtype, device):
     x[1, [BLOCK_V + 9, 2 * BLOCK_V + 2]] = float("nan")    # NaN wins, the first NaN
     x[1, 0] = float("inf")
     x[2, :] = float("-inf")                                # all -inf: index 0
-    x[3, [7, 1]] = torch.tensor([0.0, -0.0], dtype=dtype)  # -0.0 == 0.0: the first of them
+    x[3, [7, 1]] = torch.tensor([0.0, -0.0], dtype=dtype, device=device)  # -0.0 == 0.0: the first of them
     x[3, 2:] = -1.0
     x[4, [11, BLOCK_V + 1]] = float("inf")                 # +inf ties
     x[5, :] = float("nan")                                 # all NaN: index 0
     x[6, -1] = 1.0                                         # the very last element
-    x[7, [3, BLOCK_V]] = torch.tensor([2.0, float("nan")], dtype=dtype)
+    x[7, [3, BLOCK_V]] = torch.tensor([2.0, float("nan")], dtype=dtype, device=device)
     assert torch.equal(argmax_fwd(x).cpu(), argmax_ref(x))
     assert argmax_fwd(x).tolist()[:4] == [5, BLOCK_V + 9, 0, 1]
 

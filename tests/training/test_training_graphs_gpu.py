@@ -98,7 +98,8 @@ def test_steps_equal_eager_autograd_and_replay_without_capturing(captures):
         m.train()
     after = []
     for _ in range(3):
-        _assert_same_step(*(_step(m, o, _batches(gen, (4, 32))) for m, o in zip((graphs, eager), opts)))
+        batches = _batches(gen, (4, 32))  # drawn once: both models train on the same batches
+        _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
         after.append(captures[0])
     assert after[2] == after[1], after
 
@@ -107,11 +108,15 @@ def test_new_batch_shape_records_once_and_the_old_one_still_replays(captures):
     graphs, eager = _models()
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (graphs, eager)]
     gen = torch.Generator().manual_seed(2)
+    def step(shape):
+        batches = _batches(gen, shape)  # drawn once: both models train on the same batches
+        _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
+
     for shape in [(4, 32)] * 3 + [(2, 24)] * 3:
-        _assert_same_step(*(_step(m, o, _batches(gen, shape)) for m, o in zip((graphs, eager), opts)))
+        step(shape)
     settled = captures[0]
     for shape in [(4, 32), (2, 24)]:
-        _assert_same_step(*(_step(m, o, _batches(gen, shape)) for m, o in zip((graphs, eager), opts)))
+        step(shape)
     assert captures[0] == settled
 
 
