@@ -55,6 +55,14 @@ def main() -> None:
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     print(f"{args.provider}: GPU kernels over 2 steps ({total_us / 2e3:.2f} ms of kernel time per step)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.provider.startswith("transfuse"):
+        # The attention kernels' autotuned choices in this run (key -> config), beside their GPU time above.
+        from transfuse.kernels import attention_train as at
+
+        for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+            tuner = getattr(at, f"_attention_train_{name}_kernel_autotuned")
+            for key, config in getattr(tuner, "cache", {}).items():
+                print(f"autotuned {name}: {config} for key {key}")
     if args.gc:
         import gc
         import time
