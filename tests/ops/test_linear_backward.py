@@ -23,6 +23,9 @@ SCHEMAS = {
     "linear_train_fwd": "transfuse::linear_train_fwd(Tensor x, Tensor weight, Tensor? bias, str activation, "
     "Tensor? residual) -> (Tensor, Tensor)",
     "activation_backward": "transfuse::activation_backward(Tensor grad_out, Tensor pre, str activation) -> Tensor",
+    "activation_bias_backward": "transfuse::activation_bias_backward(Tensor grad_out, Tensor pre, str activation) "
+    "-> (Tensor, Tensor)",
+    "bias_grad": "transfuse::bias_grad(Tensor dy) -> Tensor",
 }
 # dtype, atol added to twice torch's own max error, as a fraction of the gradient's largest value
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
@@ -184,6 +187,54 @@ def test_only_the_gradients_asked_for():
     torch.testing.assert_close(rg.grad, g)
 
 
+def test_bias_gradient_of_an_autocast_linear():
+    """Under autocast an fp32 bias reaches the linear as a bf16 copy: eager's bias gradient is the
+    bf16 column sum (fp32 accumulation, one rounding), widened to fp32 by the cast's backward.
+    linear_train behind the same cast gives the same dtype and, for "none" (grad_pre = grad_out),
+    the same values up to the order of the fp32 additions."""
+    x, w, b, _ = _problem((4, 9), 24, 40, "none", torch.float32, True, False)
+    g = torch.randn(4, 9, 40).bfloat16()
+    b_eager, b_ours = b.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(x, w, b_eager).backward(g)
+    ops.linear_train(x.bfloat16(), w.bfloat16(), b_ours.bfloat16(), "none", None).backward(g)
+    assert b_eager.grad.dtype == b_ours.grad.dtype == torch.float32
+    gold = g.double().sum((0, 1))
+    err_eager = (b_eager.grad.double() - gold).abs().max().item()
+    err_ours = (b_ours.grad.double() - gold).abs().max().item()
+    assert err_ours <= 2 * err_eager + 1e-6 * gold.abs().max().item(), (err_ours, err_eager)
+    assert (b_ours.grad.bfloat16().float() == b_ours.grad).all()  # rounded once to bf16, as eager
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu", "silu_mul"])
+def test_bias_gradient_paths(activation):
+    """dbias from each path of the backward (bias_grad on grad_out, the activation kernel's own sum,
+    bias_grad on grad_pre + the gradient reaching pre) against eager, in bf16."""
+    x, w, b, _ = _problem((5, 7), 19, 24, activation, torch.bfloat16, True, False)
+    g_out = _randn((5, 7, 24), torch.bfloat16)
+    g_pre = _randn((5, 7, w.shape[0]), torch.bfloat16)
+    for with_pre_grad in (False, True) if activation != "none" else (False,):
+        def loss(op, x, w, b):
+            if op == "eager":
+                pre = torch.nn.functional.linear(x, w, b)
+                out = linear_ref(x, w, b, activation)
+            else:
+                out, pre = ops.linear_train_fwd(x, w, b, activation, None)
+            total = (out.float() * g_out.float()).sum()
+            return total + (pre.float() * g_pre.float()).sum() if with_pre_grad else total
+
+        grads = {}
+        for op in ("ours", "eager", "gold"):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+            if op == "gold":
+                leaves = [t.detach().float().requires_grad_(True) for t in (x, w, b)]
+            grads[op] = torch.autograd.grad(loss("eager" if op == "gold" else op, *leaves), leaves[2])[0]
+        assert grads["ours"].dtype == grads["eager"].dtype == torch.bfloat16
+        err_ours = (grads["ours"].float() - grads["gold"]).abs().max().item()
+        err_eager = (grads["eager"].float() - grads["gold"]).abs().max().item()
+        assert err_ours <= 2 * err_eager + 1e-2 * grads["gold"].abs().max().item(), (with_pre_grad, err_ours, err_eager)
+
+
 def test_pre_output_gradient_is_added():
     """linear_train_fwd's second output is differentiable: a gradient reaching pre joins grad_pre."""
     x, w, b, _ = _problem((7,), 19, 11, "silu_mul", torch.float32, True, False)
@@ -251,6 +302,10 @@ def _opcheck_cases():
         ("linear", (x, w, b.detach(), "tanh", r.detach())),  # only x and weight need gradients
         ("activation_backward", (torch.randn(2, 5, 13), torch.randn(2, 5, 26), "silu_mul")),
         ("activation_backward", (torch.randn(13, 7).t().bfloat16(), torch.randn(7, 13).bfloat16(), "gelu_tanh")),
+        ("activation_bias_backward", (torch.randn(2, 5, 13), torch.randn(2, 5, 26), "silu_mul")),
+        ("activation_bias_backward", (torch.randn(13, 7).t().bfloat16(), torch.randn(7, 13).bfloat16(), "gelu")),
+        ("bias_grad", (torch.randn(3, 5, 13),)),
+        ("bias_grad", (torch.randn(4, 30, 11).half()[:, ::3],)),
     ]
 
 

@@ -8,10 +8,16 @@ applied to the stored pre-activation.
     forward:  out      = act(pre) + residual                  silu_mul: silu(gate) * up + residual
     backward: grad_pre = grad_out * act'(pre)                  silu_mul: [grad_out * up * silu'(gate) |
                                                                           grad_out * silu(gate)]
+    dbias:    (N,), or (2N,) for "silu_mul": the column sums of grad_pre (activation_bias_bwd only)
 
-out and grad_pre are contiguous, in pre's dtype. Everything is computed in fp32 after the loads
-(the interpreter computes bf16 arithmetic wrongly, and a GPU gains nothing from 16-bit math in a
-memory-bound kernel) and rounded once, at the store.
+out and grad_pre are contiguous, in pre's dtype. The linear's bias gradient is the column sum of
+grad_pre: activation_bias_bwd adds it up while the tiles are in registers (each program then walks a
+chunk of rows and writes one fp32 partial row, which transfuse.kernels.bias_grad's reduce finishes),
+sparing the backward a second read of grad_pre. The sum is of grad_pre as stored, rounded, which
+is what eager's linear backward sums.
+
+Everything is computed in fp32 after the loads (the interpreter computes bf16 arithmetic wrongly,
+and a GPU gains nothing from 16-bit math in a memory-bound kernel) and rounded once, at the store.
 
 The derivatives are the ones torch's autograd uses (aten's GELU, SiLU, tanh and threshold
 backward kernels), written with s(z) = 1 / (1 + exp(-z)):
@@ -43,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from transfuse.kernels import bias_grad
 from transfuse.kernels._config import INTERPRET, next_power_of_2
 from transfuse.kernels.gemm import ACTIVATIONS, _activate
 from transfuse.kernels.norm import _round_to
@@ -137,32 +144,58 @@ def _activation_bwd_kernel(
     grad_out_ptr, stride_grad_out_m, stride_grad_out_n,
     pre_ptr, stride_pre_m,
     grad_pre_ptr, stride_grad_pre_m,
-    M, N,
+    partial_ptr, stride_partial_chunk,
+    M, N, rows_per_chunk,
     ACTIVATION: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """grad_pre over rows [chunk * rows_per_chunk, +rows_per_chunk) (one BLOCK_M tile without
+    HAS_DBIAS); with HAS_DBIAS also the chunk's column sums of grad_pre, as stored, into one fp32
+    partial row (both halves for silu_mul: 2N wide), which bias_grad.reduce_partials finishes."""
+    pid_chunk = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    rows = offs_m.to(tl.int64)
-    grad_out_ptrs = grad_out_ptr + rows[:, None] * stride_grad_out_m + offs_n[None, :] * stride_grad_out_n
-    g = tl.load(grad_out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
-    x = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-    grad_pre_ptrs = grad_pre_ptr + rows[:, None] * stride_grad_pre_m + offs_n[None, :]
+    mask_n = offs_n < N
+    row_begin = pid_chunk * rows_per_chunk
+    row_end = tl.minimum(row_begin + rows_per_chunk, M)
     dtype = grad_pre_ptr.dtype.element_ty
-    if ACTIVATION == "silu_mul":
-        up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-        s = _sigmoid(x)
-        # d out / d up = silu(gate); d out / d gate = up * silu'(gate), in fp32 with one rounding
-        # each (eager rounds silu(gate), grad * up and grad * silu(gate) on the way)
-        tl.store(grad_pre_ptrs + N, _round_to(g * x * s, dtype, BF16_RNE_BY_HAND), mask=mask)
-        grad = g * up * (s * (1.0 + x * (1.0 - s)))
-    else:
-        grad = _activation_grad(g, x, ACTIVATION)
-    tl.store(grad_pre_ptrs, _round_to(grad, dtype, BF16_RNE_BY_HAND), mask=mask)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # silu_mul's second half
+    for start in range(row_begin, row_end, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask = (offs_m < row_end)[:, None] & mask_n[None, :]
+        rows = offs_m.to(tl.int64)
+        grad_out_ptrs = grad_out_ptr + rows[:, None] * stride_grad_out_m + offs_n[None, :] * stride_grad_out_n
+        g = tl.load(grad_out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+        x = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+        grad_pre_ptrs = grad_pre_ptr + rows[:, None] * stride_grad_pre_m + offs_n[None, :]
+        if ACTIVATION == "silu_mul":
+            up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+            s = _sigmoid(x)
+            # d out / d up = silu(gate); d out / d gate = up * silu'(gate), in fp32 with one rounding
+            # each (eager rounds silu(gate), grad * up and grad * silu(gate) on the way)
+            grad_up = _round_to(g * x * s, dtype, BF16_RNE_BY_HAND)
+            tl.store(grad_pre_ptrs + N, grad_up, mask=mask)
+            if HAS_DBIAS:
+                acc_up += tl.where(mask, grad_up.to(tl.float32), 0.0)
+            grad = g * up * (s * (1.0 + x * (1.0 - s)))
+        else:
+            grad = _activation_grad(g, x, ACTIVATION)
+        grad = _round_to(grad, dtype, BF16_RNE_BY_HAND)
+        tl.store(grad_pre_ptrs, grad, mask=mask)
+        if HAS_DBIAS:
+            # the rounded values, as stored: eager sums the grad_pre that dx and dW are made from
+            acc += tl.where(mask, grad.to(tl.float32), 0.0)
+    if HAS_DBIAS:
+        partial_ptrs = partial_ptr + pid_chunk.to(tl.int64) * stride_partial_chunk + offs_n
+        part_dtype = partial_ptr.dtype.element_ty
+        tl.store(partial_ptrs, _round_to(tl.sum(acc, axis=0), part_dtype, BF16_RNE_BY_HAND), mask=mask_n)
+        if ACTIVATION == "silu_mul":
+            tl.store(partial_ptrs + N, _round_to(tl.sum(acc_up, axis=0), part_dtype, BF16_RNE_BY_HAND),
+                     mask=mask_n)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -194,15 +227,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 or t2.shape[1] <= 1 else t2.contiguous()
 
 
-def _launch(kernel, pre: torch.Tensor, n: int, *args, **flags) -> None:
+def _launch(kernel, pre: torch.Tensor, n: int, *args, chunking=None, **flags) -> None:
+    """Launches kernel over pre's M rows and n columns in (BLOCK_M, BLOCK_N) tiles, one tile per
+    program, or with chunking = (rows_per_chunk, n_chunks) one chunk of rows per program (the
+    backward kernel takes rows_per_chunk after M and N)."""
     if not pre.is_cuda and not INTERPRET:
         raise RuntimeError(f"transfuse activation kernels run on CUDA tensors (or anywhere under "
                            f"TRITON_INTERPRET=1); pre is on {pre.device}")
     m = pre.numel() // pre.shape[-1]
     config = activation_config(n)
-    grid = (triton.cdiv(m, config.BLOCK_M), triton.cdiv(n, config.BLOCK_N))
+    if chunking is None:
+        grid = (triton.cdiv(m, config.BLOCK_M), triton.cdiv(n, config.BLOCK_N))
+        sizes = (m, n)
+    else:
+        grid = (chunking[1], triton.cdiv(n, config.BLOCK_N))
+        sizes = (m, n, chunking[0])
     with torch.cuda.device(pre.device) if pre.is_cuda else contextlib.nullcontext():
-        kernel[grid](*args, m, n, **flags, BF16_RNE_BY_HAND=INTERPRET and pre.dtype == torch.bfloat16,
+        kernel[grid](*args, *sizes, **flags, BF16_RNE_BY_HAND=INTERPRET and pre.dtype == torch.bfloat16,
                      BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, num_warps=config.num_warps)
 
 
@@ -224,18 +265,45 @@ def activation_fwd(pre: torch.Tensor, activation: str, residual: torch.Tensor | 
     return out
 
 
-def activation_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
-    """grad_out * act'(pre), the gradient reaching pre through activation_fwd (both halves for
-    "silu_mul"): pre's shape, contiguous, in pre's dtype. grad_out: (..., N), any strides."""
+def _activation_bwd(grad_out, pre, activation, with_dbias):
     n = check_activation_args(pre, activation, grad_out, "grad_out")
+    width = pre.shape[-1]
     grad_pre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
     if grad_pre.numel() == 0:
-        return grad_pre
-    pre2, grad_pre2 = _rows(pre), grad_pre.view(-1, pre.shape[-1])
+        # an empty sum is 0
+        return grad_pre, torch.zeros((width,), dtype=pre.dtype, device=pre.device) if with_dbias else None
+    pre2, grad_pre2 = _rows(pre), grad_pre.view(-1, width)
     grad2 = grad_out.reshape(-1, n)
+    m = grad2.shape[0]
+    config = activation_config(n)
+    if with_dbias:
+        # few enough programs that the partial rows stay small: a chunk of rows each
+        rows_per_chunk, n_chunks = bias_grad.row_chunks(
+            m, triton.cdiv(n, config.BLOCK_N), config.BLOCK_M, bias_grad.bias_grad_config(n).programs_per_sm,
+            pre.device)
+        partials, dbias = bias_grad.new_partials(n_chunks, width, pre.dtype, pre)
+    else:  # one tile per program; the partials pointer is never written
+        rows_per_chunk, n_chunks = config.BLOCK_M, triton.cdiv(m, config.BLOCK_M)
+        partials, dbias = grad_pre2, None
     _launch(_activation_bwd_kernel, pre, n,
             grad2, grad2.stride(0), grad2.stride(1),
             pre2, pre2.stride(0),
             grad_pre2, grad_pre2.stride(0),
-            ACTIVATION=activation)
-    return grad_pre
+            partials, partials.stride(0),
+            chunking=(rows_per_chunk, n_chunks),
+            ACTIVATION=activation, HAS_DBIAS=with_dbias)
+    return grad_pre, bias_grad.reduce_partials(partials, dbias) if with_dbias else None
+
+
+def activation_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """grad_out * act'(pre), the gradient reaching pre through activation_fwd (both halves for
+    "silu_mul"): pre's shape, contiguous, in pre's dtype. grad_out: (..., N), any strides."""
+    return _activation_bwd(grad_out, pre, activation, False)[0]
+
+
+def activation_bias_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_pre, dbias): activation_bwd's grad_pre and its sum over every row, (pre.shape[-1],),
+    fp32 accumulation rounded to pre's dtype (kernels.bias_grad's result for grad_pre), computed
+    while grad_pre is written rather than read back by a second kernel."""
+    return _activation_bwd(grad_out, pre, activation, True)

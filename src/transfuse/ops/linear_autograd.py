@@ -5,6 +5,8 @@ the pre-activation for it.
     linear_train_fwd(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual)
         -> (Tensor out, Tensor pre)
     activation_backward(Tensor grad_out, Tensor pre, str activation) -> Tensor
+    activation_bias_backward(Tensor grad_out, Tensor pre, str activation) -> (Tensor, Tensor)
+    bias_grad(Tensor dy) -> Tensor
 
 Shapes and activations are transfuse::linear's (transfuse.ops.gemm). With pre = x @ W^T + b
 (fp32 accumulation, rounded to x's dtype) and out = act(pre) + residual:
@@ -14,7 +16,12 @@ Shapes and activations are transfuse::linear's (transfuse.ops.gemm). With pre = 
 
 grad_pre is one Triton kernel (transfuse.kernels.activation_backward, through the
 activation_backward op, so that torch.compile traces it as one node with a fake implementation);
-the three products are torch's (cuBLAS), as in eager's linear backward.
+dx and dW are torch's (cuBLAS), as in eager's linear backward. db is ours: torch's column sum of a
+bf16 (8192, 768..3072) gradient runs at a fraction of the memory bandwidth (~24 us on an H100), so
+it is transfuse.kernels.bias_grad (bias_grad op), or, where the activation kernel writes grad_pre,
+summed by that same kernel as it writes it (activation_bias_backward op). Like eager's, db is
+accumulated in fp32 and rounded once to grad_pre's dtype, which is the bias's (under autocast that
+is the bf16 copy of an fp32 parameter, and the cast's backward widens db to fp32, as in eager).
 
 What is saved. Eager's linear + activation keeps x and W for the GEMM's backward and the linear's
 output h for the activation's (GELU and SiLU save their input, ReLU and tanh their output, which is
@@ -46,6 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from transfuse.kernels import activation_backward as kernels
+from transfuse.kernels import bias_grad as bias_grad_kernels
+from transfuse.kernels._config import INTERPRET
 from transfuse.kernels.gemm import check_linear_args
 from transfuse.ops.gemm import linear_dispatch
 
@@ -85,6 +94,35 @@ def _activation_backward_fake(grad_out, pre, activation):
     return torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
 
 
+@torch.library.custom_op("transfuse::activation_bias_backward", mutates_args=())
+def activation_bias_backward(grad_out: torch.Tensor, pre: torch.Tensor, activation: str
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activation_backward's grad_pre, its sum over every row: (pre.shape[-1],) in pre's dtype)."""
+    return kernels.activation_bias_bwd(grad_out, pre, activation)
+
+
+@activation_bias_backward.register_fake
+def _activation_bias_backward_fake(grad_out, pre, activation):
+    kernels.check_activation_args(pre, activation, grad_out, "grad_out")
+    return (torch.empty(pre.shape, dtype=pre.dtype, device=pre.device),
+            torch.empty((pre.shape[-1],), dtype=pre.dtype, device=pre.device))
+
+
+@torch.library.custom_op("transfuse::bias_grad", mutates_args=())
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    """dy: (..., N), any strides, summed over every dim but the last: (N,) in dy's dtype, fp32
+    accumulation (see kernels.bias_grad)."""
+    if not dy.is_cuda and not INTERPRET:  # a CPU linear_train("none") runs torch's GEMMs too
+        return dy.reshape(-1, dy.shape[-1]).sum(0)
+    return bias_grad_kernels.bias_grad(dy)
+
+
+@bias_grad.register_fake
+def _bias_grad_fake(dy):
+    torch._check(dy.dim() >= 1, lambda: "dy must be (..., N)")
+    return dy.new_empty((dy.shape[-1],))
+
+
 # ---------------------------------------------------------------------------------------------
 # The formula, shared by linear_train_fwd (pre saved) and linear (pre recomputed). Tensors go
 # through save_for_backward: version counters catch an in-place change before the backward, and
@@ -97,10 +135,13 @@ def _grads(ctx, grad_out, x, weight, pre, grad_pre_in=None):
     dresidual = grad_out if need_residual else None
     if not (need_x or need_weight or need_bias):
         return None, None, None, None, dresidual
+    dbias = None
     if grad_out is None:  # only pre was used downstream
         grad_pre = grad_pre_in
     elif ctx.activation == "none":
         grad_pre = grad_out
+    elif need_bias and grad_pre_in is None:  # the activation kernel sums grad_pre as it writes it
+        grad_pre, dbias = torch.ops.transfuse.activation_bias_backward(grad_out, pre, ctx.activation)
     else:
         grad_pre = torch.ops.transfuse.activation_backward(grad_out, pre, ctx.activation)
     if grad_out is not None and grad_pre_in is not None:
@@ -110,7 +151,8 @@ def _grads(ctx, grad_out, x, weight, pre, grad_pre_in=None):
     rows = grad_pre.reshape(-1, grad_pre.shape[-1])
     dx = (rows @ weight).view(ctx.x_shape) if need_x else None
     dweight = rows.t() @ x.reshape(-1, x.shape[-1]) if need_weight else None
-    dbias = rows.sum(0) if need_bias else None
+    if need_bias and dbias is None:
+        dbias = torch.ops.transfuse.bias_grad(rows)
     return dx, dweight, dbias, None, dresidual
 
 
