@@ -213,6 +213,23 @@ def test_cuda_graph_compilers_fall_back_on_torchs_own_check(monkeypatch):
     assert len(seen) == 1 and len(seen[0]) == 4  # two weights, two biases; x is not static
 
 
+def test_dynamic_sizes_reach_cudagraph_trees_as_ints(monkeypatch):
+    """cudagraphify_impl keys a recording on the inputs that are ints when it is set up: the sizes
+    of dynamic dims must reach it as ints (at compile time they are SymInts), or every batch size
+    would replay the first one's graph (on a GPU: a copy error, or a silent broadcast)."""
+    import torch._inductor.cudagraph_trees as trees
+
+    seen = []
+    monkeypatch.setattr(trees, "cudagraphify_impl", lambda run, inputs, *a, **k: seen.append(list(inputs)) or run)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    size = ShapeEnv().create_unbacked_symint()
+    gm = torch.fx.symbolic_trace(lambda n, x: x * 2)
+    training_graphs._cudagraphify(lambda args: args, gm, [size, 3, torch.ones(2)], [], 0, False, False, set())
+    (inputs,) = seen
+    assert [type(v) for v in inputs[:2]] == [int, int] and isinstance(inputs[2], torch.Tensor)
+
+
 def test_unpool_copies_only_gradients_left_in_the_pool():
     """A .grad that is the last backward's output (autograd took it as is) gets memory of its
     own before the next forward; one accumulated elsewhere stays."""

@@ -199,6 +199,10 @@ def _cudagraphify(run, gm, inputs, fixed, device_index, is_backward, is_inferenc
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
 
+    # cudagraphify_impl keys its recordings on the inputs that are ints in `inputs` (the sizes of
+    # dynamic dims); at compile time those are SymInts, which it would not see: every size would then
+    # replay the first size's recording. A plain int marks their positions.
+    inputs = [0 if isinstance(v, torch.SymInt) else v for v in inputs]
     out = cudagraphify_impl(run, inputs, fixed, device_index=device_index, is_backward=is_backward,
                             is_inference=is_inference, stack_traces=get_stack_traces(gm),
                             placeholders=get_placeholder_info(gm.graph), mutated_input_idxs=mutated)
