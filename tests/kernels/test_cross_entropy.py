@@ -393,3 +393,72 @@ def test_gpu_gpt2_head_none_and_memory():
     peak = torch.cuda.max_memory_allocated() - base
     full_logits_fp32 = rows * vocab * 4
     assert peak < 0.6 * full_logits_fp32, f"peak {peak / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# The logits-returning head (linear_logits_cross_entropy): the kernel's logits copy and the
+# backward's gradient-add pass. Op-level tests: tests/ops/test_cross_entropy.py.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_copies_the_logits_out_in_the_same_pass(dtype):
+    """copy_to gets the real columns of every row, ignored ones included, as they were before the
+    gradient overwrote them; loss and gradient are those of the run without a copy."""
+    rows, vocab, padded = 19, 150, 192
+    logits = (torch.randn(rows, padded) * 3).to(dtype)
+    target = torch.randint(0, vocab, (rows,))
+    target[::4] = -1
+    config = CrossEntropyConfig(BLOCK_V=64, ROWS_PER_PROGRAM=4, num_warps=4)  # three blocks, a partial one
+    plain, copied = logits.clone(), logits.clone()
+    copy = torch.full((rows, vocab), 7.0, dtype=dtype)
+    scale = torch.tensor(0.25)
+    loss_plain = cross_entropy_fwd_inplace_grad(plain, target, vocab, -1, 0.1, scale, config=config)
+    loss_copied = cross_entropy_fwd_inplace_grad(copied, target, vocab, -1, 0.1, scale, copy_to=copy, config=config)
+    assert torch.equal(copy, logits[:, :vocab])
+    assert torch.equal(loss_plain, loss_copied) and torch.equal(plain, copied)
+    assert torch.equal(copied[:, vocab:], torch.zeros(rows, padded - vocab, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["scalar", "per-row", "no-grad-padded", "no-grad-logits"])
+def test_grad_add(case, dtype):
+    from transfuse.kernels.cross_entropy import cross_entropy_grad_add
+
+    rows, vocab, padded = 21, 97, 128
+    grad_padded = torch.randn(rows, padded).to(dtype)
+    grad_padded[:, vocab:] = 0
+    grad_logits = torch.randn(rows, 2 * vocab).to(dtype)[:, ::2]  # a row stride that is not V
+    scale = torch.rand(rows) + 0.5 if case == "per-row" else torch.tensor(1.5)
+    use_padded, use_logits = case != "no-grad-padded", case != "no-grad-logits"
+    out = cross_entropy_grad_add(grad_padded if use_padded else None, scale, grad_logits if use_logits else None,
+                                 rows, padded, dtype, grad_padded.device)
+    expected = torch.zeros(rows, padded)
+    if use_padded:
+        expected += grad_padded.float() * (scale[:, None] if scale.dim() else scale)
+    if use_logits:
+        expected[:, :vocab] += grad_logits.float()
+    assert out.dtype == dtype and out.shape == (rows, padded)
+    assert torch.equal(out, expected.to(dtype))  # fp32 arithmetic, one rounding (to nearest even)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logits_grad", [False, True], ids=["loss-only", "logits-grad"])
+@pytest.mark.parametrize("reduction,label_smoothing", [("mean", 0.0), ("mean", 0.1), ("sum", 0.0), ("none", 0.0)])
+def test_gpu_gpt2_head_returning_logits(reduction, label_smoothing, logits_grad):
+    """nanoGPT's training head at full size (8 x 1024 tokens, H 768, V 50257 padded to 50304, bf16 with
+    the fp32 tied weight, as under autocast) against fp32/fp64 torch."""
+    from tests.ops.test_cross_entropy import _inputs as logits_inputs
+    from tests.ops.test_cross_entropy import check
+
+    x, weight, _, target = logits_inputs(50257, torch.bfloat16, param_dtype=torch.float32, has_bias=False,
+                                         ignore_index=-1, device="cuda", rows=8 * 1024, hidden=768)
+    check(x, weight, None, target, -1, label_smoothing, reduction, 64, logits_grad, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_gpt2_head_returning_logits_fp16_with_bias():
+    from tests.ops.test_cross_entropy import _inputs as logits_inputs
+    from tests.ops.test_cross_entropy import check
+
+    x, weight, bias, target = logits_inputs(50257, torch.float16, device="cuda", rows=3 * 1000 + 7, hidden=768)
+    check(x, weight, bias, target, -100, 0.1, "mean", 64, True, 2e-3)

@@ -35,6 +35,10 @@ from max, sum and mean (as if their logits were -inf) and get a zero gradient, s
 grad_weight are zero and are cut off; the caller's weight is never modified and grad_weight has
 shape (V, H).
 
+A model that returns its logits (linear_logits_cross_entropy_fwd/_bwd, at the end of this file)
+cannot chunk them: one padded GEMM, then one kernel pass that also copies the real columns out
+(COPY_LOGITS) and leaves the scaled gradient in the padded buffer for the backward's GEMMs.
+
 Compute dtype: x's. weight and bias may be x's dtype or fp32; an fp32 parameter with a half-precision
 x is cast to x's dtype for the matmuls, which is what torch.autocast does to F.linear's arguments
 (both operands in the autocast dtype), and its gradient is returned in fp32. The loss is fp32.
@@ -90,15 +94,19 @@ def _cross_entropy_fwd_kernel(
     target_ptr,
     loss_ptr,
     grad_scale_ptr, stride_grad_scale_row,
+    copy_ptr, stride_copy_row,
     n_rows, n_cols, n_cols_padded, ignore_index, label_smoothing,
     BLOCK_V: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     STORE_GRAD: tl.constexpr,
+    COPY_LOGITS: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
 ):
     # n_cols is the true vocab V, n_cols_padded >= V the buffer's width: the columns in between
-    # are padding and take part in nothing but get a zero gradient.
+    # are padding and take part in nothing but get a zero gradient. COPY_LOGITS: pass 1 also
+    # writes the first V columns of every row (ignored rows included) to copy_ptr, the contiguous
+    # (rows, V) logits a model returns, from the same loads the softmax statistics use.
     pid = tl.program_id(0)
     rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     row_mask = rows < n_rows
@@ -122,7 +130,14 @@ def _cross_entropy_fwd_kernel(
         offs = start + cols
         col_mask = offs < n_cols
         mask = valid[:, None] & col_mask[None, :]
-        z = tl.load(row_ptrs[:, None] + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        if COPY_LOGITS:
+            # every row is copied, so every row is read; ignored rows then count as all -inf
+            copy_mask = row_mask[:, None] & col_mask[None, :]
+            z_raw = tl.load(row_ptrs[:, None] + offs[None, :], mask=copy_mask, other=float("-inf"))
+            tl.store(copy_ptr + rows[:, None] * stride_copy_row + offs[None, :], z_raw, mask=copy_mask)
+            z = tl.where(mask, z_raw.to(tl.float32), float("-inf"))
+        else:
+            z = tl.load(row_ptrs[:, None] + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
         m_i = m_new
@@ -167,6 +182,53 @@ def _cross_entropy_fwd_kernel(
             tl.store(row_ptrs[:, None] + offs[None, :], grad.to(logits_ptr.dtype.element_ty), mask=store_mask)
 
 
+def grad_add_config(n_rows: int, n_cols_padded: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_V, num_warps) of _cross_entropy_grad_add_kernel: an elementwise pass, 2048
+    values a program over 4 warps (16 a thread: two 16-byte bf16 vectors per operand)."""
+    if INTERPRET:
+        return min(next_power_of_2(max(n_rows, 1)), 16), min(max(next_power_of_2(n_cols_padded), 16), 1024), 4
+    return 1, min(max(next_power_of_2(n_cols_padded), 16), 2048), 4
+
+
+@triton.jit(do_not_specialize=["n_rows", "stride_grad_scale_row"])
+def _cross_entropy_grad_add_kernel(
+    grad_padded_ptr, stride_grad_padded_row,
+    grad_scale_ptr, stride_grad_scale_row,
+    grad_logits_ptr, stride_grad_logits_row,
+    out_ptr, stride_out_row,
+    n_rows, n_cols, n_cols_padded,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_GRAD_PADDED: tl.constexpr,
+    HAS_GRAD_LOGITS: tl.constexpr,
+    BF16_RNE_BY_HAND: tl.constexpr,
+):
+    # The backward of the LM head + loss when the returned logits got a gradient of their own:
+    #     out[r, j] = grad_scale[r] * grad_padded[r, j] + (grad_logits[r, j] if j < V else 0)
+    # for j < Vp, in fp32 then rounded once; grad_padded is the loss's d loss / d logits (zero in
+    # the padded columns), grad_logits the (rows, V) gradient the logits output received.
+    pid_m = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
+    offs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = row_mask[:, None] & (offs < n_cols_padded)[None, :]
+    out = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    if HAS_GRAD_PADDED:
+        grad = tl.load(grad_padded_ptr + rows[:, None] * stride_grad_padded_row + offs[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+        scale = tl.load(grad_scale_ptr + rows * stride_grad_scale_row, mask=row_mask, other=0.0).to(tl.float32)
+        out += grad * scale[:, None]
+    if HAS_GRAD_LOGITS:
+        real = row_mask[:, None] & (offs < n_cols)[None, :]
+        out += tl.load(grad_logits_ptr + rows[:, None] * stride_grad_logits_row + offs[None, :], mask=real,
+                       other=0.0).to(tl.float32)
+    if BF16_RNE_BY_HAND:
+        out = _round_to(out, out_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
+    tl.store(out_ptr + rows[:, None] * stride_out_row + offs[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers: check, allocate, pick the grid, launch.
 
@@ -203,6 +265,7 @@ def cross_entropy_fwd_inplace_grad(
     label_smoothing: float,
     grad_scale: Optional[torch.Tensor],
     *,
+    copy_to: Optional[torch.Tensor] = None,
     config: Optional[CrossEntropyConfig] = None,
 ) -> torch.Tensor:
     """Per-row cross-entropy of logits: (rows, Vp), columns [0, n_cols) real, [n_cols, Vp) padding;
@@ -210,7 +273,10 @@ def cross_entropy_fwd_inplace_grad(
 
     grad_scale None: logits are only read. Otherwise grad_scale is fp32, 0-dim (one scale for every
     row) or (rows,) (one per row), and the logits are overwritten with scale * d loss_row / d logits
-    in their own dtype, padding columns and ignored rows included (zeros there)."""
+    in their own dtype, padding columns and ignored rows included (zeros there).
+
+    copy_to: (rows, n_cols) in the logits' dtype with a unit column stride, or None: receives the
+    real columns of the logits (before they are overwritten), in the same pass that reads them."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("transfuse cross_entropy: logits must be 2-D with a unit column stride")
     if logits.dtype not in _SUPPORTED_DTYPES:
@@ -223,6 +289,10 @@ def cross_entropy_fwd_inplace_grad(
         raise ValueError(f"transfuse cross_entropy: n_cols={n_cols} must be in (0, {n_cols_padded}]")
     if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.shape not in ((), (n_rows,))):
         raise ValueError("transfuse cross_entropy: grad_scale must be fp32, 0-dim or (rows,)")
+    if copy_to is not None and (copy_to.shape != (n_rows, n_cols) or copy_to.dtype != logits.dtype
+                                or copy_to.stride(-1) != 1 or copy_to.device != logits.device):
+        raise ValueError(f"transfuse cross_entropy: copy_to must be ({n_rows}, {n_cols}) {logits.dtype} with a unit "
+                         f"column stride on the logits' device")
     loss = torch.empty((n_rows,), dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return loss
@@ -243,11 +313,13 @@ def cross_entropy_fwd_inplace_grad(
             target,
             loss,
             grad_scale, stride_grad_scale_row,
+            logits if copy_to is None else copy_to, 0 if copy_to is None else copy_to.stride(0),
             n_rows, n_cols, n_cols_padded, ignore_index, float(label_smoothing),
             BLOCK_V=config.BLOCK_V,
             ROWS_PER_PROGRAM=config.ROWS_PER_PROGRAM,
             HAS_SMOOTHING=label_smoothing != 0.0,
             STORE_GRAD=store_grad,
+            COPY_LOGITS=copy_to is not None,
             BF16_RNE_BY_HAND=INTERPRET and logits.dtype == torch.bfloat16,
             num_warps=config.num_warps,
         )
@@ -499,3 +571,160 @@ def linear_cross_entropy_bwd(
         x, weight, bias, target, ignore_index, label_smoothing, pad_vocab_to, chunk_rows, grad_scale,
         needs_grad_x, needs_grad_weight, needs_grad_bias, config=config)
     return grad_x, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head + loss of a model that also returns its logits (nanoGPT: `return logits, loss`).
+
+
+def cross_entropy_grad_add(
+    grad_padded: Optional[torch.Tensor],
+    grad_scale: Optional[torch.Tensor],
+    grad_logits: Optional[torch.Tensor],
+    n_rows: int,
+    n_cols_padded: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """out: (rows, Vp) in dtype = grad_scale[row] * grad_padded + grad_logits zero-padded to Vp
+    columns. grad_padded: (rows, Vp) or None (term left out; grad_scale, fp32 0-dim or (rows,), is
+    then unused); grad_logits: (rows, V) with V <= Vp, or None."""
+    out = torch.empty((n_rows, n_cols_padded), dtype=dtype, device=device)
+    n_cols = n_cols_padded if grad_logits is None else grad_logits.shape[1]
+    if grad_logits is not None and grad_logits.stride(-1) != 1:
+        grad_logits = grad_logits.contiguous()
+    if grad_padded is not None and grad_padded.stride(-1) != 1:
+        grad_padded = grad_padded.contiguous()
+    if grad_padded is not None:
+        grad_scale = grad_scale.float().contiguous()
+        stride_grad_scale_row = 0 if grad_scale.dim() == 0 else 1
+    else:
+        grad_scale, stride_grad_scale_row = out, 0  # never read (HAS_GRAD_PADDED=False)
+    if n_rows == 0 or n_cols_padded == 0:
+        return out
+    _check_runnable(out)
+    block_m, block_v, num_warps = grad_add_config(n_rows, n_cols_padded)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols_padded, block_v))
+    with _device_guard(out):
+        _cross_entropy_grad_add_kernel[grid](
+            out if grad_padded is None else grad_padded, 0 if grad_padded is None else grad_padded.stride(0),
+            grad_scale, stride_grad_scale_row,
+            out if grad_logits is None else grad_logits, 0 if grad_logits is None else grad_logits.stride(0),
+            out, out.stride(0),
+            n_rows, n_cols, n_cols_padded,
+            BLOCK_M=block_m,
+            BLOCK_V=block_v,
+            HAS_GRAD_PADDED=grad_padded is not None,
+            HAS_GRAD_LOGITS=grad_logits is not None,
+            BF16_RNE_BY_HAND=INTERPRET and dtype == torch.bfloat16,
+            num_warps=num_warps,
+        )
+    return out
+
+
+def linear_logits_cross_entropy_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
+    needs_grad: bool,
+    *,
+    config: Optional[CrossEntropyConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, loss, grad_padded) for the LM head F.linear(x, weight, bias) and its loss, when the
+    logits are returned too. x: (rows, H) in the compute dtype; weight, bias as for
+    linear_cross_entropy_fwd. Per call, for rows x V logits (Vp = V padded to pad_vocab_to):
+
+      1. one GEMM into a fresh (rows, Vp) buffer (padded: cuBLAS's fast tiles);
+      2. one kernel pass over it that writes the contiguous (rows, V) logits (the copy the user gets),
+         the per-row loss, and, when needs_grad, overwrites the buffer with d loss / d logits for a
+         grad_output of 1 (already divided by the valid rows for 'mean'; per row, unscaled, for
+         'none'; zero in the padded columns and on ignored rows).
+
+    logits: (rows, V) x.dtype, contiguous; loss fp32, 0-dim ('mean', 'sum') or (rows,) ('none');
+    grad_padded: the (rows, Vp) buffer in x.dtype, or an empty (0,) tensor without needs_grad."""
+    check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                    pad_vocab_to, 0)
+    n_rows, n_vocab = x.shape[0], weight.shape[0]
+    n_cols_padded = padded_vocab(n_vocab, pad_vocab_to)
+    weight_c, bias_c = _compute_params(weight, bias, x.dtype, n_cols_padded)
+    logits_padded = torch.mm(x, weight_c.t()) if bias_c is None else torch.addmm(bias_c, x, weight_c.t())
+    logits = torch.empty((n_rows, n_vocab), dtype=x.dtype, device=x.device)
+    n_valid = count_valid(target, ignore_index)
+    grad_scale = None
+    if needs_grad:
+        grad_scale = (1.0 / n_valid.clamp(min=1.0) if reduction == "mean"
+                      else torch.ones((), dtype=torch.float32, device=x.device))
+    loss_rows = cross_entropy_fwd_inplace_grad(logits_padded, target, n_vocab, ignore_index, label_smoothing,
+                                               grad_scale, copy_to=logits, config=config)
+    if reduction == "mean":
+        loss = loss_rows.sum() / n_valid
+    elif reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = loss_rows
+    grad_padded = logits_padded if needs_grad else x.new_empty((0,))
+    return logits, loss, grad_padded
+
+
+def _scaled(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """t * scale (0-dim fp32) in fp32, rounded once to dtype; t.to(dtype) without a scale."""
+    if scale is None:
+        return t.to(dtype)
+    return (t.float() * scale).to(dtype)
+
+
+def linear_logits_cross_entropy_bwd(
+    grad_loss: Optional[torch.Tensor],
+    grad_logits: Optional[torch.Tensor],
+    grad_padded: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) of linear_logits_cross_entropy_fwd's outputs, for grad_loss
+    (0-dim, or (rows,) for 'none'; None: the loss got no gradient) and grad_logits ((rows, V); None:
+    the logits got none), from the saved grad_padded (rows, Vp). An empty (0,) tensor for each
+    gradient not asked for.
+
+    The usual case, a scalar grad_loss g and no grad_logits: the GEMMs read grad_padded as it is,
+    and g multiplies their small results, grad_x = g * (grad_padded @ W_p) and
+    grad_weight = g * (grad_padded^T @ x)[:V], not the (rows, Vp) buffer. Otherwise one elementwise
+    pass forms g * grad_padded + grad_logits (padded) first and the GEMMs read that."""
+    n_rows, dtype = x.shape[0], x.dtype
+    n_vocab, n_cols_padded = weight.shape[0], grad_padded.shape[-1]
+    needs_grad_bias = needs_grad_bias and bias is not None
+
+    def empty():
+        return x.new_empty((0,))
+
+    if (grad_loss is None and grad_logits is None) or not (needs_grad_x or needs_grad_weight or needs_grad_bias):
+        return (x.new_zeros(x.shape) if needs_grad_x else empty(),
+                weight.new_zeros(weight.shape) if needs_grad_weight else empty(),
+                bias.new_zeros(bias.shape) if needs_grad_bias else empty())
+    scale = None if grad_loss is None else grad_loss.float()
+    if grad_logits is None and scale.dim() == 0:
+        total = grad_padded
+    else:
+        # the logits' own gradient, or a per-row grad_loss ('none'): one pass over the buffer
+        total = cross_entropy_grad_add(None if scale is None else grad_padded, scale, grad_logits, n_rows,
+                                       n_cols_padded, dtype, x.device)
+        scale = None
+    grad_x = grad_weight = grad_bias = None
+    if needs_grad_x:
+        weight_c, _ = _compute_params(weight, None, dtype, n_cols_padded)
+        grad_x = _scaled(torch.mm(total, weight_c), scale, dtype)
+    if needs_grad_weight:
+        # rows [V, Vp) of the product are the padded columns' zero gradient: dropped
+        grad_weight = _scaled(torch.mm(total.t(), x)[:n_vocab], scale, weight.dtype)
+    if needs_grad_bias:
+        grad_bias = _scaled(total.sum(0, dtype=torch.float32)[:n_vocab], scale, bias.dtype)
+    return (grad_x if needs_grad_x else empty(), grad_weight if needs_grad_weight else empty(),
+            grad_bias if needs_grad_bias else empty())

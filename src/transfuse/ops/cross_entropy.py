@@ -298,3 +298,118 @@ def _cross_entropy_grad(ctx, grad_output):
 
 
 cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head and its loss when the logits are returned too (nanoGPT's `return logits, loss`).
+
+
+@torch.library.custom_op("transfuse::linear_logits_cross_entropy", mutates_args=())
+def linear_logits_cross_entropy_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
+    needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, loss, grad_padded): logits = F.linear(x, weight, bias) as (rows, V) contiguous in x's
+    dtype, loss = F.cross_entropy(logits.float(), target, ...) in fp32, and grad_padded (rows, Vp)
+    the loss's gradient w.r.t. the padded logits for a grad_output of 1 (an empty (0,) tensor without
+    needs_grad), computed in the pass that copies the logits out. grad_padded is for the backward,
+    not differentiable. See kernels.cross_entropy.linear_logits_cross_entropy_fwd."""
+    return kernels.linear_logits_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                                   pad_vocab_to, needs_grad)
+
+
+@linear_logits_cross_entropy_op.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad):
+    kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                            pad_vocab_to, 0)
+    vocab = weight.shape[0]
+    grad_padded = (x.new_empty((x.shape[0], kernels.padded_vocab(vocab, pad_vocab_to))) if needs_grad
+                   else x.new_empty((0,)))
+    return x.new_empty((x.shape[0], vocab)), _fake_loss(x, reduction), grad_padded
+
+
+@torch.library.custom_op("transfuse::linear_logits_cross_entropy_backward", mutates_args=())
+def linear_logits_cross_entropy_backward(
+    grad_loss: Optional[torch.Tensor],
+    grad_logits: Optional[torch.Tensor],
+    grad_padded: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) of linear_logits_cross_entropy for the gradients its loss and
+    logits received (None: none), from its saved grad_padded; an empty (0,) tensor for each gradient
+    not asked for."""
+    return kernels.linear_logits_cross_entropy_bwd(grad_loss, grad_logits, grad_padded, x, weight, bias,
+                                                   needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+@linear_logits_cross_entropy_backward.register_fake
+def _(grad_loss, grad_logits, grad_padded, x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias):
+    return _fake_grads(x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+def _setup_context_logits(ctx, inputs, output):
+    x, weight, bias, *_ = inputs
+    _, _, grad_padded = output
+    ctx.save_for_backward(x, weight, bias, grad_padded)
+    ctx.has_bias = bias is not None
+    ctx.computed = inputs[8]  # needs_grad
+    ctx.mark_non_differentiable(grad_padded)
+    # A logits output that nothing differentiates (the usual case: the loss alone is backpropagated)
+    # arrives as None, not as a (rows, V) tensor of zeros to be added. (AOTAutograd's compiled
+    # backward still receives zeros there: its autograd.Function materialises every tangent.)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_grad_padded):
+    x, weight, bias, grad_padded = ctx.saved_tensors
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    needs_bias = needs_bias and ctx.has_bias
+    nones = (None,) * 6
+    if not (needs_x or needs_weight or needs_bias) or (grad_logits is None and grad_loss is None):
+        return None, None, None, *nones
+    if grad_loss is not None and not ctx.computed:
+        raise RuntimeError("transfuse linear_logits_cross_entropy: the loss needs a gradient but the forward ran "
+                           "with needs_grad=False")
+    grad_x, grad_weight, grad_bias = torch.ops.transfuse.linear_logits_cross_entropy_backward(
+        grad_loss, grad_logits, grad_padded, x, weight, bias, needs_x, needs_weight, needs_bias)
+    return (grad_x if needs_x else None, grad_weight if needs_weight else None, grad_bias if needs_bias else None,
+            *nones)
+
+
+linear_logits_cross_entropy_op.register_autograd(_backward_logits, setup_context=_setup_context_logits)
+
+
+def linear_logits_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    pad_vocab_to: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(x, weight, bias), F.cross_entropy(that.float() viewed as (rows, V), target, ...)) for
+    x: (..., H) and target with as many elements as x has rows: the logits come back (..., V) and
+    contiguous, the loss fp32 ('none': target's shape). The loss's gradient w.r.t. the logits is
+    computed in the forward pass only when grad mode is on and x, weight or bias requires grad."""
+    hidden = x.shape[-1]
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    logits, loss, _ = torch.ops.transfuse.linear_logits_cross_entropy(
+        x.reshape(-1, hidden), weight, bias, target.reshape(-1), ignore_index, label_smoothing, reduction,
+        pad_vocab_to, needs_grad)
+    logits = logits.view(*x.shape[:-1], weight.shape[0])
+    return logits, (loss.reshape(target.shape) if reduction == "none" else loss)

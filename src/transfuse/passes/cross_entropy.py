@@ -12,6 +12,14 @@ When nothing but the loss reads the logits (a model that does not return them), 
 goes into the loss too (`transfuse.ops.cross_entropy.linear_cross_entropy`): the logits are formed
 chunk by chunk and never exist whole. A vocabulary that is not a multiple of 64 is padded inside
 that op (the user's weight and its gradient keep their shape).
+
+When the model returns its logits next to the loss (nanoGPT's `return logits, loss`), a training
+graph gets the head and the loss as one op, `transfuse.ops.cross_entropy.linear_logits_cross_entropy`:
+one GEMM into a vocabulary padded to a multiple of 64 (`VocabPadding`: cuBLAS falls back to slow
+kernels for GPT-2's 50257, 15 ms of a 41 ms nanoGPT step on an H100), then one kernel pass that
+copies the (rows, V) logits out for the user, computes the loss and overwrites the padded buffer
+with the loss's gradient, which the backward's GEMMs read as it is (grad_output scales their small
+results). Eval graphs keep the logits GEMM as it was and the plain CrossEntropy op.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.ops.cross_entropy import linear_cross_entropy
+from transfuse.ops.cross_entropy import linear_cross_entropy, linear_logits_cross_entropy
 from transfuse.passes.graph import arg, kind, single_user, tensor_meta
 from transfuse.passes.manager import PassContext
 
@@ -76,33 +84,106 @@ def _head_of(logits: fx.Node) -> fx.Node | None:
     return node if kind(node) == "linear" else None
 
 
-def _pad_vocab(ctx: PassContext, linear: fx.Node) -> None:
-    """`VocabPadding`: the LM head's GEMMs (forward and both backward ones) run over a vocabulary
-    padded to a multiple of 64 and the logits are the first V columns of the result: cuBLAS falls back
-    to slow kernels for GPT-2's 50257 (sm75 CUTLASS tiles, 15 ms of a 41 ms nanoGPT step on an
-    H100). The padded weight is a fresh F.pad of the user's each step (their parameter and its
-    gradient keep their shape; the zero rows get gradients that are dropped)."""
-    weight, bias = arg(linear, 1, "weight"), arg(linear, 2, "bias")
-    w_meta = tensor_meta(weight)
-    vocab = w_meta.shape[0] if w_meta is not None and w_meta.dim() == 2 else None
-    if not isinstance(vocab, int) or vocab % VOCAB_MULTIPLE == 0:
-        return
-    extra = -vocab % VOCAB_MULTIPLE
+def _is_upcast(node: fx.Node) -> bool:
+    """`x.float()` / `x.to(torch.float32)` of a floating-point x: exact, the kernels widen to fp32."""
+    if kind(node) != "to" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    source, out = tensor_meta(node.args[0]), tensor_meta(node)
+    return (source is not None and out is not None and source.dtype.is_floating_point
+            and source.dtype.itemsize <= 4 and out.dtype == torch.float32)
+
+
+def _returned_head(ce_input: fx.Node) -> fx.Node | str:
+    """The linear whose output, viewed as (rows, V) (and perhaps upcast), is the loss's input, or
+    why there is none. A view or reshape of a contiguous linear output keeps its rows in order, so
+    the loss's row r is the linear's row r whatever the views in between."""
+    node = ce_input
+    while kind(node) != "linear":
+        if not (kind(node) in ("view", "reshape") or _is_upcast(node)) or not isinstance(node.args[0], fx.Node):
+            return "the logits do not come from a linear through views"
+        node = node.args[0]
+    x, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+    x_meta, w_meta, out_meta, in_meta = tensor_meta(x), tensor_meta(weight), tensor_meta(node), tensor_meta(ce_input)
+    if (x_meta is None or w_meta is None or out_meta is None or in_meta is None or w_meta.dim() != 2
+            or x_meta.dim() < 1 or in_meta.dim() != 2):
+        return "the LM head's shapes are unknown"
+    vocab, hidden = w_meta.shape
+    if not (isinstance(vocab, int) and in_meta.shape[1] == vocab and out_meta.shape[-1] == vocab
+            and x_meta.shape[-1] == hidden):
+        return "the loss's classes are not the LM head's outputs"
+    b_meta = tensor_meta(bias) if isinstance(bias, fx.Node) else None
+    if bias is not None and b_meta is None:
+        return "the LM head's bias is not a tensor"
+    params = [w_meta] + ([b_meta] if b_meta is not None else [])
+    if out_meta.dtype not in (*_HALF, torch.float32) or any(p.dtype not in (out_meta.dtype, torch.float32)
+                                                             for p in params):
+        return "the LM head's parameters are neither its compute dtype nor fp32"
+    return node
+
+
+# What may be computed earlier than written: values with no effects (a target's views, HF's shifted
+# labels: pad, slice, contiguous, view, to(device)) and the size arithmetic around them.
+_MOVABLE_METHODS = frozenset({"view", "reshape", "contiguous", "to", "long", "flatten", "size", "__getitem__"})
+_MOVABLE_FUNCTIONS = frozenset({operator.getitem, F.pad, torch.reshape, torch.flatten, operator.add, operator.sub,
+                                operator.mul, operator.floordiv, operator.neg})
+
+
+def _movable(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _MOVABLE_METHODS
+    return node.op == "call_function" and node.target in _MOVABLE_FUNCTIONS
+
+
+def _hoist_before(node: fx.Node, anchor: fx.Node) -> bool:
+    """Move `node` and whatever it is computed from that comes after `anchor` in the graph to just
+    before `anchor`, in their order; False (nothing moved) when one of them reads `anchor`."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    late, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in late or order[n] < order[anchor]:
+            continue
+        if n is anchor or not _movable(n):
+            return False
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        anchor.prepend(n)
+    return True
+
+
+def _fuse_returned_head(ctx: PassContext, ce: fx.Node, linear: fx.Node, target: fx.Node, settings: tuple) -> bool:
+    """Head and loss -> linear_logits_cross_entropy, its logits replacing the linear's for every
+    other reader (the user, the views that fed the loss). False when the target is computed from the
+    logits (nothing changed then)."""
     graph = ctx.gm.graph
-    with graph.inserting_before(linear):
-        padded_w = graph.call_function(F.pad, (weight, (0, 0, 0, extra)))
-        padded_b = graph.call_function(F.pad, (bias, (0, extra))) if isinstance(bias, fx.Node) else bias
-        full = graph.call_function(F.linear, (arg(linear, 0, "input"), padded_w, padded_b))
-    with graph.inserting_after(full):
-        cut = graph.call_function(operator.getitem, (full, (Ellipsis, slice(None, vocab))))
-    with graph.inserting_after(cut):
-        # The user gets the logits back: contiguous, as eager's are (a view of the padded GEMM output
-        # would refuse .view(-1) where eager's logits allow it): one copy of the logits.
-        dense = graph.call_method("contiguous", (cut,))
-    cut.meta["example_value"] = dense.meta["example_value"] = linear.meta.get("example_value")
-    linear.replace_all_uses_with(dense)
+    if not _hoist_before(target, linear):
+        return False
+    x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
+    out_meta = tensor_meta(linear)
+    vocab = tensor_meta(weight).shape[0]
+    pad = VOCAB_MULTIPLE if vocab % VOCAB_MULTIPLE else 0
+    with graph.inserting_after(linear):
+        if tensor_meta(x).dtype != out_meta.dtype:  # under autocast: the GEMM runs in the autocast dtype
+            cast = graph.call_method("to", (x, out_meta.dtype))
+            cast.meta["example_value"] = tensor_meta(x).to(out_meta.dtype)
+            x = cast
+    with graph.inserting_after(x if x is not arg(linear, 0, "input") else linear):
+        pair = graph.call_function(linear_logits_cross_entropy, (x, weight, bias, target, *settings, pad))
+    with graph.inserting_after(pair):
+        logits = graph.call_function(operator.getitem, (pair, 0))
+    with graph.inserting_after(logits):
+        loss = graph.call_function(operator.getitem, (pair, 1))
+    logits.meta["example_value"] = linear.meta.get("example_value")
+    loss.meta["example_value"] = ce.meta.get("example_value")
+    linear.replace_all_uses_with(logits)
+    ce.replace_all_uses_with(loss)
+    graph.erase_node(ce)
     graph.erase_node(linear)
-    ctx.matched("VocabPadding")
+    ctx.matched(PATTERN)
+    if pad:
+        ctx.matched("VocabPadding")
+    return True
 
 
 def run(ctx: PassContext) -> None:
@@ -132,6 +213,10 @@ def run(ctx: PassContext) -> None:
             ctx.reject(PATTERN, node, "target is not (rows,) class indices")
             continue
         linear = _lm_head(logits, ce_input)
+        if linear is None and ctx.training:
+            head = _returned_head(ce_input)
+            if isinstance(head, fx.Node) and _fuse_returned_head(ctx, node, head, target, settings):
+                continue
         with graph.inserting_before(node):
             if linear is not None:
                 x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
@@ -145,9 +230,6 @@ def run(ctx: PassContext) -> None:
             else:
                 new = graph.call_function(torch.ops.transfuse.cross_entropy.default, (logits, target, *settings))
                 ctx.matched(PATTERN)
-                head = _head_of(logits)
-                if head is not None and ctx.training:
-                    _pad_vocab(ctx, head)
         new.meta["example_value"] = node.meta.get("example_value")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
