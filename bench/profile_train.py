@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes: nanoGPT GPT-2 124M (hand-written attention, vocab 50257),
 bf16 autocast, fused AdamW, transfuse.optimize or eager SDPA.
 
-    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|transfuse-autograd|sdpa|compile-sdpa-pad]
+    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|transfuse-graphs|sdpa|compile-sdpa-pad]
         [--batch 8] [--seq 1024]
 """
 
@@ -17,7 +17,7 @@ from transfuse.bench.nanogpt import GPT, GPTConfig, pad_vocab, set_attention
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "transfuse-autograd", "sdpa", "compile-sdpa-pad"])
+    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "transfuse-graphs", "sdpa", "compile-sdpa-pad"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)
@@ -34,7 +34,7 @@ def main() -> None:
     elif args.provider.startswith("transfuse"):
         import transfuse
 
-        transfuse.optimize(model, training_graphs=args.provider == "transfuse")
+        transfuse.optimize(model, training_graphs=args.provider == "transfuse-graphs")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
 

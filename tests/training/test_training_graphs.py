@@ -174,7 +174,7 @@ def test_new_batch_shape_equals_eager():
         assert max(errors.values()) < 1e-4, (shape, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
 
 
-def test_off_by_option_and_by_default_on_the_cpu():
+def test_off_by_option_and_by_default():
     for options, expected in (({"training_graphs": False}, "eager autograd"), ({}, "eager autograd")):
         model = _nanogpt()
         transfuse.optimize(model, **options)

@@ -3,7 +3,7 @@ graphs (cudagraph trees, runtime/training_graphs.py). Against the same model und
 (optimize(training_graphs=False): the same kernels, so fp32 results agree to rounding): equal
 losses and gradients through AdamW steps with gradient accumulation; steps after the recording
 replay without capturing again; a new batch shape records once and the old one still replays;
-dropout draws eager's masks at every replay; the default on a GPU."""
+dropout draws eager's masks at every replay."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _models(**config):
     torch.manual_seed(0)
     graphs = GPT(tiny_config(**config)).cuda().train()
     eager = copy.deepcopy(graphs)
-    transfuse.optimize(graphs)  # AOTAutograd + CUDA graphs: the GPU default
+    transfuse.optimize(graphs, training_graphs=True)  # AOTAutograd + CUDA graphs (opt-in)
     transfuse.optimize(eager, training_graphs=False)
     return graphs, eager
 

@@ -11,10 +11,9 @@ same batches (random tokens from a fixed generator):
     sdpa              attention through F.scaled_dot_product_attention (HF "sdpa")
     compile-sdpa      torch.compile(model) (default mode) of the sdpa model
     compile-sdpa-pad  the same with the vocabulary padded to 50304, the usual hand tuning: the reference
-    transfuse         transfuse.optimize(model) on the unmodified eager model (on a GPU: forward and
-                      backward as AOTAutograd graphs replayed as CUDA graphs, runtime/training_graphs.py)
-    transfuse-autograd  transfuse.optimize(model, training_graphs=False): the same kernels under eager
-                      autograd (not in the default list)
+    transfuse         transfuse.optimize(model) on the unmodified eager model (eager autograd)
+    transfuse-graphs  transfuse.optimize(model, training_graphs=True): forward and backward as
+                      AOTAutograd graphs replayed as CUDA graphs (runtime/training_graphs.py)
 
 One iteration: zero_grad(set_to_none=True), forward under torch.autocast (bf16 by default),
 loss.backward(), AdamW step (fused=True where this torch has it for the device, else foreach; the row
@@ -60,7 +59,7 @@ LR, BETAS, WEIGHT_DECAY = 6e-4, (0.9, 0.95), 0.1
 class Provider(NamedTuple):
     sdpa: bool  # attention through F.scaled_dot_product_attention
     pad: bool  # vocabulary padded to a multiple of PAD_MULTIPLE
-    wrap: str | None  # None, "compile", "transfuse" or "transfuse-autograd"
+    wrap: str | None  # None, "compile", "transfuse" or "transfuse-graphs"
 
 
 PROVIDERS: dict[str, Provider] = {
@@ -69,9 +68,9 @@ PROVIDERS: dict[str, Provider] = {
     "compile-sdpa": Provider(sdpa=True, pad=False, wrap="compile"),
     "compile-sdpa-pad": Provider(sdpa=True, pad=True, wrap="compile"),
     "transfuse": Provider(sdpa=False, pad=False, wrap="transfuse"),
-    "transfuse-autograd": Provider(sdpa=False, pad=False, wrap="transfuse-autograd"),
+    "transfuse-graphs": Provider(sdpa=False, pad=False, wrap="transfuse-graphs"),
 }
-DEFAULT_PROVIDERS = ",".join(p for p in PROVIDERS if p != "transfuse-autograd")
+DEFAULT_PROVIDERS = ",".join(PROVIDERS)
 
 # name -> (layers, heads, width, vocabulary, positions, default batch, default seq)
 GEOMETRIES: dict[str, tuple[int, int, int, int, int, int, int]] = {
@@ -158,10 +157,10 @@ def prepare(arch: str, master: torch.nn.Module, provider: str, device: torch.dev
         import transfuse
 
         return model, transfuse.optimize(model)
-    if spec.wrap == "transfuse-autograd":
+    if spec.wrap == "transfuse-graphs":
         import transfuse
 
-        return model, transfuse.optimize(model, training_graphs=False)
+        return model, transfuse.optimize(model, training_graphs=True)
     if spec.wrap is not None:
         raise ValueError(f"provider {provider!r}: unknown wrapper {spec.wrap!r}")
     return model, model
@@ -429,7 +428,7 @@ def _targets(results: dict, arch: str) -> list[str]:
     """The issue's targets for each transfuse provider, as far as this run measured them."""
     ref, sdpa = _find(results, arch, REFERENCE), _find(results, arch, "sdpa")
     notes = []
-    for provider in ("transfuse", "transfuse-autograd"):
+    for provider in ("transfuse", "transfuse-graphs"):
         t = _find(results, arch, provider)
         if t is None or ref is None:
             continue
