@@ -94,7 +94,7 @@ class Backend:
             for symbol, reason in sorted(plan.refused.items(), key=str):
                 ctx.rejections.append(Rejection("BucketPadding", plan.names[symbol], reason + "; run at its exact size"))
         training_runtime = None
-        if training and _training_graphs(self.options, example_inputs):
+        if training and _training_graphs(self.options):
             runner, training_runtime = _training_runner(gm, example_inputs, static, self.options)
             use_graphs = isinstance(runner, TrainingGraphs) and runner.skipped is None
         elif plan is not None and plan.paddable:
@@ -182,7 +182,7 @@ def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], opti
     return runner, runner.describe()
 
 
-def _training_graphs(options: dict, example_inputs) -> bool:
+def _training_graphs(options: dict) -> bool:
     """Whether a training graph runs as AOTAutograd's forward and backward graphs (replayed as CUDA
     graphs on a GPU): only when asked for with optimize(model, training_graphs=True). On an H100
     it halves nanoGPT's step (64 -> 31-34 ms), but Hugging Face's GPT2LMHeadModel ran slower than

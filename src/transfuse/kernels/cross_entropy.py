@@ -489,6 +489,24 @@ def count_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return (target != ignore_index).sum(dtype=torch.float32)
 
 
+def forward_grad_scale(reduction: str, n_valid: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of d loss_row / d logits for a grad_output of 1: 1/n_valid for 'mean' (clamped,
+    so that zero valid rows, whose gradients are all zero, give 0 rather than inf), else 1."""
+    if reduction == "mean":
+        return 1.0 / n_valid.clamp(min=1.0)
+    return torch.ones((), dtype=torch.float32, device=n_valid.device)
+
+
+def reduce_loss_rows(loss_rows: torch.Tensor, reduction: str, n_valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch's reduction of per-row losses; 'mean' divides by n_valid (count_valid: 0 / 0 = NaN when
+    every row is ignored, as torch gives), which the other reductions do not read."""
+    if reduction == "mean":
+        return loss_rows.sum() / n_valid
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows
+
+
 def linear_cross_entropy_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -520,21 +538,11 @@ def linear_cross_entropy_fwd(
         raise ValueError("transfuse linear_cross_entropy: gradients in the forward pass need reduction "
                          "'mean' or 'sum'; for 'none' use linear_cross_entropy_bwd with the grad_output")
     n_valid = count_valid(target, ignore_index)
-    grad_scale = None
-    if wants_grad:
-        # 1/n_valid over all rows; clamped so that zero valid rows (all-zero gradients) give 0, not inf
-        grad_scale = (1.0 / n_valid.clamp(min=1.0) if reduction == "mean"
-                      else torch.ones((), dtype=torch.float32, device=x.device))
+    grad_scale = forward_grad_scale(reduction, n_valid) if wants_grad else None
     loss_rows, grad_x, grad_weight, grad_bias = linear_cross_entropy_chunked(
         x, weight, bias, target, ignore_index, label_smoothing, pad_vocab_to, chunk_rows, grad_scale,
         needs_grad_x, needs_grad_weight, needs_grad_bias, config=config)
-    if reduction == "mean":
-        loss = loss_rows.sum() / n_valid
-    elif reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows
-    return loss, grad_x, grad_weight, grad_bias
+    return reduce_loss_rows(loss_rows, reduction, n_valid), grad_x, grad_weight, grad_bias
 
 
 def linear_cross_entropy_bwd(
@@ -655,20 +663,11 @@ def linear_logits_cross_entropy_fwd(
     logits_padded = torch.mm(x, weight_c.t()) if bias_c is None else torch.addmm(bias_c, x, weight_c.t())
     logits = torch.empty((n_rows, n_vocab), dtype=x.dtype, device=x.device)
     n_valid = count_valid(target, ignore_index)
-    grad_scale = None
-    if needs_grad:
-        grad_scale = (1.0 / n_valid.clamp(min=1.0) if reduction == "mean"
-                      else torch.ones((), dtype=torch.float32, device=x.device))
+    grad_scale = forward_grad_scale(reduction, n_valid) if needs_grad else None
     loss_rows = cross_entropy_fwd_inplace_grad(logits_padded, target, n_vocab, ignore_index, label_smoothing,
                                                grad_scale, copy_to=logits, config=config)
-    if reduction == "mean":
-        loss = loss_rows.sum() / n_valid
-    elif reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows
     grad_padded = logits_padded if needs_grad else x.new_empty((0,))
-    return logits, loss, grad_padded
+    return logits, reduce_loss_rows(loss_rows, reduction, n_valid), grad_padded
 
 
 def _scaled(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -200,7 +200,14 @@ linear_cross_entropy_fused.register_autograd(_backward_fused, setup_context=_set
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry point for model code
+# Entry points for model code
+
+
+def _grads_wanted(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[bool, bool, bool]:
+    """Which of x, weight, bias autograd will ask a gradient for: none outside grad mode."""
+    if not torch.is_grad_enabled():
+        return False, False, False
+    return x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad
 
 
 def linear_cross_entropy(
@@ -221,8 +228,8 @@ def linear_cross_entropy(
     hidden = x.shape[-1]
     x_rows = x.reshape(-1, hidden)
     target_rows = target.reshape(-1)
-    needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and any(needs) and reduction != "none":
+    needs = _grads_wanted(x, weight, bias)
+    if any(needs) and reduction != "none":
         loss, _, _, _ = torch.ops.transfuse.linear_cross_entropy_fused(
             x_rows, weight, bias, target_rows, ignore_index, label_smoothing, reduction, pad_vocab_to, chunk_rows,
             *needs)
@@ -251,12 +258,8 @@ def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    # torch's mean over the rows not ignored: 0 / 0 = NaN when every row is ignored, as torch gives.
-    return rows.sum() / kernels.count_valid(target, ignore_index)
+    n_valid = kernels.count_valid(target, ignore_index) if reduction == "mean" else None
+    return kernels.reduce_loss_rows(rows, reduction, n_valid)
 
 
 @cross_entropy.register_fake
@@ -406,8 +409,7 @@ def linear_logits_cross_entropy(
     contiguous, the loss fp32 ('none': target's shape). The loss's gradient w.r.t. the logits is
     computed in the forward pass only when grad mode is on and x, weight or bias requires grad."""
     hidden = x.shape[-1]
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    needs_grad = any(_grads_wanted(x, weight, bias))
     logits, loss, _ = torch.ops.transfuse.linear_logits_cross_entropy(
         x.reshape(-1, hidden), weight, bias, target.reshape(-1), ignore_index, label_smoothing, reduction,
         pad_vocab_to, needs_grad)
