@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import operator
 import re
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 import transfuse
+from transfuse.backend import Backend
 from transfuse.bench.nanogpt import GPT, tiny_config
 
 
@@ -297,3 +299,30 @@ def test_padded_vocabulary_logits_come_back_contiguous():
     assert _rewrites(model)["VocabPadding"] == 1
     assert logits.shape == (2, 8, 97) and logits.is_contiguous()
     logits.view(-1)  # as eager's logits allow
+
+
+def test_causal_mask_buffer_is_read_however_dynamo_spells_the_comparison(monkeypatch):
+    # torch 2.13 records nanoGPT's `self.bias[:, :, :T, :T] == 0` as operator.eq, torch 2.11 as the
+    # Tensor method "__eq__": both must give the kernel is_causal (a missed match reads a T x T bias,
+    # 2.5x slower on the GPU, with no error).
+    model = _nanogpt()
+    reference = copy.deepcopy(model)
+    spelled = []
+    compile_graph = Backend.__call__
+
+    def eq_as_method(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is operator.eq:
+                node.op, node.target = "call_method", "__eq__"
+                spelled.append(node)
+        gm.recompile()
+        return compile_graph(self, gm, example_inputs)
+
+    monkeypatch.setattr(Backend, "__call__", eq_as_method)
+    transfuse.optimize(model)
+    ids = torch.randint(0, 97, (2, 19))
+    _, loss = model(ids, ids)
+    _, ref_loss = reference(ids, ids)
+    assert len(spelled) == 2
+    assert _rewrites(model)["CausalMaskBuffer"] == 2, _rewrites(model)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)

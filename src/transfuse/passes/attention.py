@@ -99,11 +99,12 @@ def _causal_buffer(ctx: PassContext, spec: dict) -> bool:
     if not ctx.training or len(spec["bool_masks"]) != 1:
         return False
     how, cond = spec["bool_masks"][0]
-    if not isinstance(cond, fx.Node) or cond.op != "call_function":
+    if not isinstance(cond, fx.Node):
         return False
     want_zero = how == "fill"  # masked where the buffer is 0, or kept where it is nonzero
-    if cond.target in (operator.eq, torch.eq, operator.ne, torch.ne) and scalar(cond.args[1]) == 0.0:
-        if (cond.target in (operator.eq, torch.eq)) != want_zero:
+    comparison = kind(cond)
+    if comparison in ("eq", "ne") and len(cond.args) == 2 and scalar(cond.args[1]) == 0.0:
+        if (comparison == "eq") != want_zero:
             return False
         sliced = cond.args[0]
     else:

@@ -60,6 +60,10 @@ _FUNCTIONS: dict[Any, str] = {
     torch.permute: "permute",
     torch.reshape: "reshape",
     torch.abs: "abs",
+    operator.eq: "eq",
+    torch.eq: "eq",
+    operator.ne: "ne",
+    torch.ne: "ne",
 }
 if hasattr(torch._C._nn, "gelu"):
     _FUNCTIONS[torch._C._nn.gelu] = "gelu"
@@ -92,7 +96,22 @@ _METHODS = {
     "half": "to",
     "bfloat16": "to",
     "type_as": "to",
+    "eq": "eq",
+    "ne": "ne",
 }
+
+# Operators that Dynamo records as Tensor methods on some torch versions (2.11 writes
+# `mask == 0` as call_method "__eq__", 2.13 as operator.eq): read as the named method. Only the
+# ones whose operands keep their order (no __rsub__, __rtruediv__).
+_DUNDERS = {
+    "__eq__": "eq", "__ne__": "ne", "__add__": "add", "__radd__": "add", "__mul__": "mul", "__rmul__": "mul",
+    "__sub__": "sub", "__truediv__": "div", "__neg__": "neg", "__pow__": "pow", "__matmul__": "matmul",
+}
+
+
+def method_name(node: fx.Node) -> str:
+    """A call_method's target, with operator dunders read as their method ("__eq__" -> "eq")."""
+    return _DUNDERS.get(node.target, node.target)
 
 # Element-wise operations: a chain of these after a GEMM is an activation candidate.
 POINTWISE = {
@@ -105,7 +124,7 @@ def kind(node: fx.Node) -> str | None:
     if node.op == "call_function":
         return _FUNCTIONS.get(node.target)
     if node.op == "call_method":
-        return _METHODS.get(node.target)
+        return _METHODS.get(method_name(node))
     return None
 
 
@@ -227,7 +246,7 @@ def remove_dead_code(graph: fx.Graph) -> None:
     unused in-place call such as `x.masked_fill_(...)`, which is not ours to remove."""
     for node in reversed(list(graph.nodes)):
         if not node.users and node.op in ("call_function", "call_method"):
-            pure = (node.target in _PURE_METHODS if node.op == "call_method"
+            pure = (method_name(node) in _PURE_METHODS if node.op == "call_method"
                     else node.target in _PURE_FUNCTIONS if _hashable(node.target) else False)
             if pure or kind(node) is not None or (_is_transfuse_op(node) and not _written_by_schema(node)):
                 graph.erase_node(node)

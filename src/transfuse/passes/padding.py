@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import same_size, static_inputs, value
+from transfuse.passes.graph import method_name, same_size, static_inputs, value
 
 _POINTWISE = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "neg", "pow", "abs", "exp", "log",
@@ -146,7 +146,7 @@ def _upper_bound(shape_env, symbol) -> int | None:
 def _name(node: fx.Node) -> str:
     target = node.target
     if node.op == "call_method":
-        return str(target)
+        return method_name(node)
     text = str(target)
     if text.startswith("transfuse."):
         return text.rsplit(".", 1)[0]  # "transfuse.linear.default" -> "transfuse.linear"
