@@ -1,8 +1,11 @@
-"""Where a training step's GPU time goes: nanoGPT GPT-2 124M (hand-written attention, vocab 50257),
-bf16 autocast, fused AdamW, transfuse.optimize or eager SDPA.
+"""Where a training step's GPU time goes: GPT-2 124M as nanoGPT or Hugging Face write it (hand-written
+attention, vocab 50257), bf16 autocast, fused AdamW, under any provider of the train bench.
 
-    PYTHONPATH=src python3 bench/profile_train.py [--provider transfuse|transfuse-graphs|sdpa|compile-sdpa-pad]
-        [--batch 8] [--seq 1024]
+    PYTHONPATH=src python3 bench/profile_train.py [--arch nanogpt|hf] [--provider transfuse-graphs|transfuse|
+        compile-sdpa-pad|...] [--batch 8] [--seq 1024]
+
+The model, provider and loss are the train bench's (transfuse.bench.train), so the profile is of the
+step that `transfuse bench --train` times.
 """
 
 from __future__ import annotations
@@ -12,36 +15,30 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from transfuse.bench.nanogpt import GPT, GPTConfig, pad_vocab, set_attention
+from transfuse.bench import train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--provider", default="transfuse", choices=["transfuse", "transfuse-graphs", "sdpa", "compile-sdpa-pad"])
+    parser.add_argument("--arch", default="nanogpt", choices=list(train.ARCHS))
+    parser.add_argument("--provider", default="transfuse-graphs", choices=list(train.PROVIDERS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="also cProfile two steps (host time by function)")
     parser.add_argument("--gc", action="store_true", help="also time steps with Python's garbage collector off")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig()).cuda().train()
-    if args.provider in ("sdpa", "compile-sdpa-pad"):
-        set_attention(model, True)
-    if args.provider == "compile-sdpa-pad":
-        pad_vocab(model, 64, seed=0)
-        model = torch.compile(model)
-    elif args.provider.startswith("transfuse"):
-        import transfuse
-
-        transfuse.optimize(model, training_graphs=args.provider == "transfuse-graphs")
+    device = torch.device("cuda")
+    master = train.make_master(args.arch, "gpt2-124m")
+    model, run_model = train.prepare(args.arch, master, args.provider, device)
+    vocab = master.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+    x = torch.randint(0, vocab, (args.batch, args.seq), device=device)
 
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, x)
+            loss = train.loss_of(args.arch, run_model, x, x)
         loss.backward()
         opt.step()
 

@@ -125,7 +125,9 @@ def _returned_head(ce_input: fx.Node) -> fx.Node | str:
 # labels: pad, slice, contiguous, view, to(device)) and the size arithmetic around them.
 _MOVABLE_METHODS = frozenset({"view", "reshape", "contiguous", "to", "long", "flatten", "size", "__getitem__"})
 _MOVABLE_FUNCTIONS = frozenset({operator.getitem, F.pad, torch.reshape, torch.flatten, operator.add, operator.sub,
-                                operator.mul, operator.floordiv, operator.neg})
+                                operator.mul, operator.floordiv, operator.neg}
+                               # F.pad as Dynamo records it on torch 2.13 (the C function it calls)
+                               | ({torch._C._nn.pad} if hasattr(torch._C._nn, "pad") else set()))
 
 
 def _movable(node: fx.Node) -> bool:

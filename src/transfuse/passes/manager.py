@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from transfuse.passes.constants import hoist_literal_tensors
 from transfuse.passes.graph import remove_dead_code
 
 
@@ -99,4 +100,8 @@ def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None
         p.run(ctx)
         remove_dead_code(ctx.gm.graph)
         ctx.gm.graph.lint()
+    if not ctx.training:
+        # Not a rewrite: what CUDA graph capture needs of an inference graph. (A training graph's
+        # literals become AOTAutograd's own constants; a buffer added here would stop its trace.)
+        hoist_literal_tensors(ctx.gm)
     ctx.gm.recompile()
