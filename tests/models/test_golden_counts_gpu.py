@@ -21,6 +21,13 @@ from tests.models.registry import REGISTRY
 pytestmark = pytest.mark.gpu
 
 
+def _counts(model) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for record in model._transfuse_state.backend.records:
+        counts.update(record.rewrites)
+    return counts
+
+
 def _ids(batch: int, seq: int) -> torch.Tensor:
     return torch.randint(3, 97, (batch, seq), device="cuda")
 
@@ -59,7 +66,8 @@ def test_encoder_decoder_counts(family):
     transfuse.optimize(model)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=_ids(2, 5))
-    assert dict(model._transfuse_state.backend.records[0].rewrites) == golden
+    # On the GPU the encoder is its own graph (compiled for generate()): one forward, every record.
+    assert dict(_counts(model)) == golden
 
 
 def test_nanogpt_training_counts():
@@ -70,9 +78,7 @@ def test_nanogpt_training_counts():
     ids = _ids(2, 21)
     _, loss = model(ids, ids)
     loss.backward()
-    counts: collections.Counter = collections.Counter()
-    for record in model._transfuse_state.backend.records:
-        counts.update(record.rewrites)
+    counts = _counts(model)
     for pattern, count in {"ManualAttention": 2, "CausalMaskBuffer": 2, "CrossEntropy": 1, "VocabPadding": 1,
                            "ResidualLayerNorm": 4, "LinearEpilogue": 2}.items():
         assert counts[pattern] == count, (pattern, counts)
