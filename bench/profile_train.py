@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes: GPT-2 124M as nanoGPT or Hugging Face write it (hand-written
 attention, vocab 50257), bf16 autocast, fused AdamW, under any provider of the train bench.
 
-    PYTHONPATH=src python3 bench/profile_train.py [--arch nanogpt|hf] [--provider transfuse-graphs|transfuse|
+    PYTHONPATH=src python3 bench/profile_train.py [--arch nanogpt|hf] [--provider transfuse|transfuse-autograd|
         compile-sdpa-pad|...] [--batch 8] [--seq 1024]
 
 The model, provider and loss are the train bench's (transfuse.bench.train), so the profile is of the
@@ -21,7 +21,7 @@ from transfuse.bench import train
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="nanogpt", choices=list(train.ARCHS))
-    parser.add_argument("--provider", default="transfuse-graphs", choices=list(train.PROVIDERS))
+    parser.add_argument("--provider", default="transfuse", choices=list(train.PROVIDERS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=25)

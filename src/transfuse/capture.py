@@ -139,11 +139,11 @@ def optimize(
     static_cache: generate() without a cache named by the user uses a static KV cache, reused across
         calls, so that each decode step replays one CUDA graph (runtime/generation.py).
     training_graphs (in **options): a training graph runs as AOTAutograd's forward and backward
-        graphs, replayed as CUDA graphs (runtime/training_graphs.py). Off by default (see
-        backend._training_graphs for why). As under torch.compile(mode="reduce-overhead"), a step's outputs live in the graphs'
-        memory pool until the next step starts: a tensor kept across steps (a list of unreduced
-        losses) raises on access after the next step; .item() or .clone() it first, or pass
-        training_graphs=False.
+        graphs, replayed as CUDA graphs (runtime/training_graphs.py). On by default on a GPU, off on
+        the CPU (see backend._training_graphs). As under torch.compile(mode="reduce-overhead"), a
+        step's outputs live in the graphs' memory pool until the next step starts: a tensor kept
+        across steps (a list of unreduced losses) raises on access after the next step; .item() or
+        .clone() it first, or pass training_graphs=False (eager autograd through the same kernels).
     """
     _check_model(model)
     if hasattr(model, _STATE):

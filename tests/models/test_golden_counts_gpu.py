@@ -55,6 +55,13 @@ def test_decoder_prompt_counts(family):
     assert dict(model._transfuse_state.backend.records[0].rewrites) == decoders.FAMILIES[family][3]
 
 
+# On the GPU the encoder is a graph of its own (compiled once for generate()), so its last norm can
+# no longer go into the decoder's cross-attention K/V linear that reads it: the CPU trace, one graph
+# for both, fuses that pair. (Per graph on the H100: BART 0 LayerNormLinear, T5 v1.1 4 + 6
+# RMSNormLinear in the encoder and decoder graphs.)
+_ACROSS_THE_ENCODER_OUTPUT = {"bart": "LayerNormLinear", "t5-v1.1": "RMSNormLinear"}
+
+
 @pytest.mark.parametrize("family", sorted(seq2seq.FAMILIES))
 def test_encoder_decoder_counts(family):
     config_cls, model_cls, config, golden = seq2seq.FAMILIES[family]
@@ -66,8 +73,10 @@ def test_encoder_decoder_counts(family):
     transfuse.optimize(model)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=_ids(2, 5))
-    # On the GPU the encoder is its own graph (compiled for generate()): one forward, every record.
-    assert dict(_counts(model)) == golden
+    expected = dict(golden)
+    if family in _ACROSS_THE_ENCODER_OUTPUT:
+        expected[_ACROSS_THE_ENCODER_OUTPUT[family]] -= 1
+    assert dict(_counts(model)) == {k: v for k, v in expected.items() if v}
 
 
 def test_nanogpt_training_counts():

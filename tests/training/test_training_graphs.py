@@ -7,6 +7,7 @@ its compilers run up to torch's own skip check, which turns CUDA graphs off for 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -238,6 +239,7 @@ def test_unpool_copies_only_gradients_left_in_the_pool():
     graphs = TrainingGraphs.__new__(TrainingGraphs)
     graphs.params = [pooled, own]
     graphs.pooled_ptrs = {pooled.grad.untyped_storage().data_ptr()}
+    graphs.pool_owner = None
     before_pooled, before_own = pooled.grad, own.grad
     training_graphs._POOLED.add(graphs)
     training_graphs.unpool_grads()
@@ -245,6 +247,27 @@ def test_unpool_copies_only_gradients_left_in_the_pool():
     assert pooled.grad.untyped_storage().data_ptr() != before_pooled.untyped_storage().data_ptr()
     assert own.grad is before_own
     assert not training_graphs._POOLED and not graphs.pooled_ptrs
+
+
+def test_gradients_left_in_a_reset_pool_become_none_with_a_warning():
+    """torch._dynamo.reset() between a backward and the next forward frees the cudagraph-tree pool
+    that holds the gradients: they are dropped, not copied out of freed memory."""
+    class Manager:
+        pass
+
+    pooled, own = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    pooled.grad, own.grad = torch.arange(3.0), torch.ones(3)
+    graphs = TrainingGraphs.__new__(TrainingGraphs)
+    graphs.params, graphs.device_index = [pooled, own], None
+    graphs.pooled_ptrs = {pooled.grad.untyped_storage().data_ptr()}
+    manager = Manager()
+    graphs.pool_owner = weakref.ref(manager)
+    del manager  # the reset tree manager is gone
+    training_graphs._POOLED.add(graphs)
+    with pytest.warns(UserWarning, match="1 parameter gradients that were still in their memory pool"):
+        training_graphs.unpool_grads()
+    assert pooled.grad is None and torch.equal(own.grad, torch.ones(3))
+    assert not training_graphs._POOLED and graphs.pool_owner is None
 
 
 def test_aot_failure_falls_back_to_eager_autograd(monkeypatch):

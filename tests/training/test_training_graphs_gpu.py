@@ -37,7 +37,7 @@ def _models(**config):
     torch.manual_seed(0)
     graphs = GPT(tiny_config(**config)).cuda().train()
     eager = copy.deepcopy(graphs)
-    transfuse.optimize(graphs, training_graphs=True)  # AOTAutograd + CUDA graphs (opt-in)
+    transfuse.optimize(graphs)  # AOTAutograd + CUDA graphs: the default on a GPU
     transfuse.optimize(eager, training_graphs=False)
     return graphs, eager
 
@@ -174,3 +174,23 @@ def test_dropout_draws_eager_masks_at_every_replay():
         losses.append(loss.item())
         graphs.zero_grad(set_to_none=True)
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] != pytest.approx(losses[0], rel=1e-4), losses
+
+
+def test_a_reset_between_two_models_loses_only_the_old_gradients():
+    # The train bench's sequence: a model's backward leaves its gradients in the cudagraph-tree pool,
+    # torch._dynamo.reset() frees that pool, then another model trains. Its first forward must not
+    # copy the first model's gradients out of freed memory ("CUDA error: invalid argument").
+    first, _ = _models()
+    gen = torch.Generator().manual_seed(3)
+    (x, y), = _batches(gen, (4, 32), 1)
+    first(x, y)[1].backward()
+    assert all(p.grad is not None for p in first.parameters())
+    torch._dynamo.reset()
+    graphs, eager = _models()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphs, eager)]
+    batches = _batches(gen, (4, 32), 1)  # drawn once: both models train on the same batch
+    with pytest.warns(UserWarning, match="CUDA graph trees were reset"):
+        _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
+    assert all(p.grad is None for p in first.parameters())
+    batches = _batches(gen, (4, 32), 1)
+    _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))

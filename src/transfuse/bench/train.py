@@ -11,9 +11,10 @@ same batches (random tokens from a fixed generator):
     sdpa              attention through F.scaled_dot_product_attention (HF "sdpa")
     compile-sdpa      torch.compile(model) (default mode) of the sdpa model
     compile-sdpa-pad  the same with the vocabulary padded to 50304, the usual hand tuning: the reference
-    transfuse         transfuse.optimize(model) on the unmodified eager model (eager autograd)
-    transfuse-graphs  transfuse.optimize(model, training_graphs=True): forward and backward as
-                      AOTAutograd graphs replayed as CUDA graphs (runtime/training_graphs.py)
+    transfuse         transfuse.optimize(model) on the unmodified eager model: on a GPU, forward and
+                      backward as AOTAutograd graphs replayed as CUDA graphs (runtime/training_graphs.py)
+    transfuse-autograd  transfuse.optimize(model, training_graphs=False): the same kernels under eager
+                      autograd
 
 One iteration: zero_grad(set_to_none=True), forward under torch.autocast (bf16 by default),
 loss.backward(), AdamW step (fused=True where this torch has it for the device, else foreach; the row
@@ -59,7 +60,7 @@ LR, BETAS, WEIGHT_DECAY = 6e-4, (0.9, 0.95), 0.1
 class Provider(NamedTuple):
     sdpa: bool  # attention through F.scaled_dot_product_attention
     pad: bool  # vocabulary padded to a multiple of PAD_MULTIPLE
-    wrap: str | None  # None, "compile", "transfuse" or "transfuse-graphs"
+    wrap: str | None  # None, "compile", "transfuse" or "transfuse-autograd"
 
 
 PROVIDERS: dict[str, Provider] = {
@@ -68,7 +69,7 @@ PROVIDERS: dict[str, Provider] = {
     "compile-sdpa": Provider(sdpa=True, pad=False, wrap="compile"),
     "compile-sdpa-pad": Provider(sdpa=True, pad=True, wrap="compile"),
     "transfuse": Provider(sdpa=False, pad=False, wrap="transfuse"),
-    "transfuse-graphs": Provider(sdpa=False, pad=False, wrap="transfuse-graphs"),
+    "transfuse-autograd": Provider(sdpa=False, pad=False, wrap="transfuse-autograd"),
 }
 DEFAULT_PROVIDERS = ",".join(PROVIDERS)
 
@@ -157,10 +158,10 @@ def prepare(arch: str, master: torch.nn.Module, provider: str, device: torch.dev
         import transfuse
 
         return model, transfuse.optimize(model)
-    if spec.wrap == "transfuse-graphs":
+    if spec.wrap == "transfuse-autograd":
         import transfuse
 
-        return model, transfuse.optimize(model, training_graphs=True)
+        return model, transfuse.optimize(model, training_graphs=False)
     if spec.wrap is not None:
         raise ValueError(f"provider {provider!r}: unknown wrapper {spec.wrap!r}")
     return model, model
@@ -428,7 +429,7 @@ def _targets(results: dict, arch: str) -> list[str]:
     """The issue's targets for each transfuse provider, as far as this run measured them."""
     ref, sdpa = _find(results, arch, REFERENCE), _find(results, arch, "sdpa")
     notes = []
-    for provider in ("transfuse", "transfuse-graphs"):
+    for provider in ("transfuse", "transfuse-autograd"):
         t = _find(results, arch, provider)
         if t is None or ref is None:
             continue

@@ -45,6 +45,7 @@ What happens where the graphs cannot simply replay:
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Callable
 
@@ -64,6 +65,7 @@ class TrainingGraphs:
         self.record = None  # the report's GraphRecord, told when the backward turns graphs off
         self.params: list = []
         self.pooled_ptrs: set[int] = set()  # storages of the backward's outputs since the last forward
+        self.pool_owner = None  # weak reference to the tree manager whose pool holds them
         self.device_index: int | None = None
         if cuda_graphs:
             fw, bw = self._forward_graphs, self._backward_graphs
@@ -138,6 +140,8 @@ class TrainingGraphs:
             me = owner()
             if me is not None:  # where this step's gradients are, for unpool()
                 me.pooled_ptrs.update(t.untyped_storage().data_ptr() for t in out if isinstance(t, torch.Tensor))
+                manager = _current_manager(me.device_index)
+                me.pool_owner = weakref.ref(manager) if manager is not None else None
                 _POOLED.add(me)
             return out
 
@@ -145,8 +149,21 @@ class TrainingGraphs:
         return backward
 
     def unpool(self) -> None:
-        """Gives each parameter whose .grad is a backward output in the pool a copy of its own."""
+        """Gives each parameter whose .grad is a backward output in the pool a copy of its own. When
+        the pool is gone (cudagraph trees were reset, as torch._dynamo.reset() does, between this
+        backward and the next forward), those gradients went with it: they become None, with a
+        warning, instead of being read from freed memory ("CUDA error: invalid argument")."""
         ptrs, self.pooled_ptrs = self.pooled_ptrs, set()
+        owner, self.pool_owner = self.pool_owner, None
+        if owner is not None and (owner() is None or owner() is not _current_manager(self.device_index)):
+            lost = [p for p in self.params if p.grad is not None and p.grad.untyped_storage().data_ptr() in ptrs]
+            for p in lost:
+                p.grad = None
+            if lost:
+                warnings.warn(f"transfuse: CUDA graph trees were reset (torch._dynamo.reset()) after a backward: "
+                              f"{len(lost)} parameter gradients that were still in their memory pool are gone and "
+                              "set to None (use them, or zero_grad(set_to_none=True), before resetting)")
+            return
         for p in self.params:
             grad = p.grad
             if grad is not None and grad.untyped_storage().data_ptr() in ptrs:
@@ -157,6 +174,13 @@ class TrainingGraphs:
 # to cudagraph trees, one per device for the whole process: whichever graph starts the next step
 # lets its replay overwrite every graph's outputs, so every graph's gradients are copied out then.
 _POOLED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _current_manager(device_index):
+    """The cudagraph tree manager that owns `device_index`'s pool now, or None."""
+    from torch._inductor.cudagraph_trees import get_manager
+
+    return get_manager(device_index, create_if_none_exists=False) if device_index is not None else None
 
 
 def unpool_grads() -> None:
