@@ -7,17 +7,19 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.8.0
 HF_SPEC ?= transformers==5.17.0
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(HF_SPEC)" numpy pytest
+	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(HF_SPEC)" numpy pytest pytest-xdist
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed
 
+# One pytest worker per core (pytest-xdist): the CPU suite runs Triton's interpreter, single-threaded
+# per test; on CI's 2 cores this halves the run (755 -> 342 s of pytest, 2026-11-22).
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto -m "not gpu" tests
 
 test-gpu:
 	PYTHONPATH=src python3 -m pytest -q -m gpu tests
