@@ -53,11 +53,24 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
         if state.encoder_failure is not None:
             return prepare(*args, **kwargs)
         model.__dict__["get_encoder"] = lambda *a, **k: call
+        traced_before = len(_records(call))
         try:
-            return prepare(*args, **kwargs)
+            prepared = prepare(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the encoder as written still gives the right answer
-            state.encoder_failure = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            state.encoder_failure = (f"its compiled run failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:160] if str(e) else ''}")
             log.warning("transfuse: generate()'s encoder runs as written from now on: %s", state.encoder_failure)
+        else:
+            pieces = len(_records(call))
+            if traced_before == 0 and pieces > 1:
+                # Its first trace broke (BART's fp16 guard, `if not torch.isfinite(h).all()`, is Python
+                # control flow on a GPU value): Dynamo runs the rest of the layer loop as written
+                # between small graphs, and bart-base's time to first token went from 7.7 to 48 ms
+                # (H100, bench/results/*-bart-base-session9-warmup.md). The encoder as written is faster.
+                state.encoder_failure = (f"its trace breaks into {pieces} graphs (Python control flow on a "
+                                         "tensor's value), slower than running it as written")
+                log.info("transfuse: generate()'s encoder runs as written from now on: %s", state.encoder_failure)
+            return prepared
         finally:
             model.__dict__.pop("get_encoder", None)
         return prepare(*args, **kwargs)
@@ -84,7 +97,11 @@ def describe(state) -> str:
     if call is None:
         return ""
     if state.encoder_failure is not None:
-        return f"the encoder runs as Hugging Face wrote it (its compiled run failed: {state.encoder_failure})"
-    records = [r for b in call._transfuse_state.backends for r in b.records]
+        return f"the encoder runs as Hugging Face wrote it ({state.encoder_failure})"
+    records = _records(call)
     rewrites = sum(sum(r.rewrites.values()) for r in records)
     return f"the encoder runs compiled on its own: {len(records)} graph(s), {rewrites} rewrite(s)"
+
+
+def _records(call) -> list:
+    return [r for b in call._transfuse_state.backends for r in b.records]
