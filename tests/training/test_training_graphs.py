@@ -175,7 +175,16 @@ def test_new_batch_shape_equals_eager():
         assert max(errors.values()) < 1e-4, (shape, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
 
 
-def test_off_by_option_and_by_default():
+def test_on_by_default_on_a_gpu_only(monkeypatch):
+    from transfuse import backend
+
+    cpu = [torch.zeros(2)]
+    assert not backend._training_graphs({}, cpu) and backend._training_graphs({"training_graphs": True}, cpu)
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    assert backend._training_graphs({}, cpu) and not backend._training_graphs({"training_graphs": False}, cpu)
+
+
+def test_off_by_option_and_by_default_on_the_cpu():
     for options, expected in (({"training_graphs": False}, "eager autograd"), ({}, "eager autograd")):
         model = _nanogpt()
         transfuse.optimize(model, **options)
