@@ -184,7 +184,7 @@ def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], opti
 
 def _training_graphs(options: dict, example_inputs) -> bool:
     """Whether a training graph runs as AOTAutograd's forward and backward graphs replayed as CUDA
-    graphs: by default on a GPU (nanoGPT on an H100: 25 ms a step against 42 under eager autograd;
+    graphs: by default on a GPU (nanoGPT on an H100: 25 ms a step against 42-52 under eager autograd;
     Hugging Face's GPT-2 the same 53 ms either way; bench/results, ninth session), never by default
     on the CPU, where there are no CUDA graphs to gain. optimize(model, training_graphs=False) keeps
     eager autograd (a step's outputs then stay valid across steps); =True forces AOTAutograd on the
