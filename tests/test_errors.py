@@ -49,3 +49,35 @@ def test_unhandled_ops_are_left_alone_and_reported():
     torch.testing.assert_close(out, ref)
     text = transfuse.report(model)
     assert "ManualAttention" in text and "LinearEpilogue" in text
+
+
+def test_t5_inputs_past_the_relative_buckets_and_an_empty_decoder_prompt():
+    """Issue 5's bad input on T5: an input longer than relative_attention_max_distance gives eager's
+    logits and tokens; an empty decoder prompt raises Hugging Face's own error (its trace would fail
+    with a fake-tensor error that says nothing), and the report counts the call."""
+    import transformers
+
+    from tests.helpers import rel_err
+    from tests.models.test_encoder_decoder_families import FAMILIES
+
+    config_cls, model_cls, config, _ = FAMILIES["t5"]
+    config = dict(config, relative_attention_max_distance=8, relative_attention_num_buckets=8)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+    ids = torch.randint(3, 97, (2, 23))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    decoder_ids = torch.randint(3, 97, (2, 19))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        with pytest.raises(RuntimeError) as eager_error:
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, :0])
+        transfuse.optimize(model)
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        with pytest.raises(type(eager_error.value)) as error:
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, :0])
+    assert rel_err(out, ref) < 1e-5 and torch.equal(tokens, ref_tokens)
+    assert str(error.value) == str(eager_error.value)
+    assert "1 call(s) with an empty input tensor, whose trace failed, ran as written" in transfuse.report(model)

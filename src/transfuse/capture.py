@@ -46,6 +46,7 @@ class _State:
         self.static_cache_reason: str | None = None
         self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
         self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
+        self.empty_calls = 0  # calls with an empty input tensor whose trace failed: they ran as written
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -185,6 +186,14 @@ def optimize(
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
                 state.compile()
                 return state.compiled(*args, **kwargs)
+            except Exception:
+                # An empty input (a decoder prompt of length 0, a batch of 0) can fail Dynamo's trace
+                # with a fake-tensor error that says nothing to the user: such a call runs as written,
+                # which gives the model's own result or raises the model's own error; the report counts it.
+                if not _has_empty_tensor(args, kwargs):
+                    raise
+                state.empty_calls += 1
+                return original(*args, **kwargs)
         finally:
             if watch is not None:
                 watch.in_call = False
@@ -281,6 +290,10 @@ def _release(backends: list) -> None:
         backend.release()
 
 
+def _has_empty_tensor(args, kwargs) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in (*args, *kwargs.values()))
+
+
 def report(model: torch.nn.Module) -> str:
     """What transfuse rewrote in `model`, what it left alone and why."""
     state = getattr(model, _STATE, None)
@@ -297,6 +310,9 @@ def report(model: torch.nn.Module) -> str:
             text += f"\n  generate(): {state.decode_loop.describe()}"
     elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
+    if state.empty_calls:
+        text += (f"\n  left to eager: {state.empty_calls} call(s) with an empty input tensor, whose trace failed, "
+                 "ran as written")
     encoder = _encoder.describe(state)
     if encoder:
         text += f"\n  generate(): {encoder}"
