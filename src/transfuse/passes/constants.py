@@ -12,37 +12,24 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from transfuse.passes.graph import add_buffer
+
+
 def hoist_literal_tensors(gm: fx.GraphModule) -> int:
     """Replace every `torch.tensor(...)` whose arguments are all constants by a buffer holding its
     value; returns how many. A tensor that asks for gradients stays a call (it is a leaf per run)."""
     graph = gm.graph
     hoisted = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.tensor or node.kwargs.get("requires_grad"):
-            continue
-        if _has_node((node.args, node.kwargs)):
+        if (node.op != "call_function" or node.target is not torch.tensor or node.kwargs.get("requires_grad")
+                or node.all_input_nodes):
             continue
         value = torch.tensor(*node.args, **node.kwargs)
-        name = _free_name(gm)
-        gm.register_buffer(name, value, persistent=False)
         with graph.inserting_before(node):
-            constant = graph.get_attr(name)
+            constant = graph.get_attr(add_buffer(gm, "_transfuse_literal_", value))
         constant.meta = dict(node.meta)
         constant.meta["example_value"] = value
         node.replace_all_uses_with(constant)
         graph.erase_node(node)
         hoisted += 1
     return hoisted
-
-
-def _has_node(tree) -> bool:
-    found = []
-    fx.node.map_aggregate(tree, lambda a: found.append(a) if isinstance(a, fx.Node) else None)
-    return bool(found)
-
-
-def _free_name(gm: fx.GraphModule) -> str:
-    i = 0
-    while hasattr(gm, f"_transfuse_literal_{i}"):
-        i += 1
-    return f"_transfuse_literal_{i}"

@@ -241,6 +241,16 @@ _PURE_FUNCTIONS = frozenset({
 })
 
 
+def add_buffer(gm: fx.GraphModule, prefix: str, tensor: torch.Tensor) -> str:
+    """Registers `tensor` on `gm` as a non-persistent buffer named `prefix` + the first free index
+    (prefix "_transfuse_...": Backend.release() drops such buffers); returns the name."""
+    i = 0
+    while hasattr(gm, f"{prefix}{i}"):
+        i += 1
+    gm.register_buffer(f"{prefix}{i}", tensor, persistent=False)
+    return f"{prefix}{i}"
+
+
 def remove_dead_code(graph: fx.Graph) -> None:
     """Erase unused nodes whose operation we know to be pure. FX's own DCE would also drop an
     unused in-place call such as `x.masked_fill_(...)`, which is not ours to remove."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, hint, kind, node_order, static_inputs, tensor_meta, value
+from transfuse.passes.graph import add_buffer, arg, hint, kind, node_order, static_inputs, tensor_meta, value
 from transfuse.passes.manager import PassContext
 
 PATTERN = "SiblingLinears"
@@ -67,8 +67,8 @@ def _merge(ctx: PassContext, x: fx.Node, members: list[fx.Node]) -> str | None:
     graph = ctx.gm.graph
     order = node_order(graph)
     first = min(members, key=order.__getitem__)
-    name_w = _register(ctx.gm, fused_w)
-    name_b = _register(ctx.gm, fused_b) if fused_b is not None else None
+    name_w = add_buffer(ctx.gm, "_transfuse_merged_", fused_w)
+    name_b = add_buffer(ctx.gm, "_transfuse_merged_", fused_b) if fused_b is not None else None
     with graph.inserting_before(first):
         w_node = graph.get_attr(name_w)
         b_node = graph.get_attr(name_b) if name_b else None
@@ -114,15 +114,6 @@ def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
         t.data = fused[start : start + n]
         start += n
     return fused
-
-
-def _register(gm: fx.GraphModule, tensor: torch.Tensor) -> str:
-    i = 0
-    while hasattr(gm, f"_transfuse_merged_{i}"):
-        i += 1
-    name = f"_transfuse_merged_{i}"
-    gm.register_buffer(name, tensor, persistent=False)
-    return name
 
 
 def _views_stay_valid(member: fx.Node, offset: int, size: int, total: int) -> bool:

@@ -109,7 +109,6 @@ class TrainingGraphs:
 
     def _backward_graphs(self, gm: torch.fx.GraphModule, inputs: list):
         from torch._dynamo.backends.cudagraphs import find_input_mutations
-        from torch._inductor.cudagraph_trees import get_manager
         from torch._inductor.utils import count_tangents
 
         run = _plain(gm, inputs)
@@ -124,7 +123,7 @@ class TrainingGraphs:
             def eager_backward(args):
                 # The forward replayed from the pool: tell its tree this backward ran (as
                 # torch/_dynamo/backends/cudagraphs.py does), or the next step cannot start a new one.
-                manager = get_manager(device_index, create_if_none_exists=False)
+                manager = _current_manager(device_index)
                 if manager is not None:
                     manager.set_to_running_backward()
                 return run(args)
@@ -155,19 +154,18 @@ class TrainingGraphs:
         warning, instead of being read from freed memory ("CUDA error: invalid argument")."""
         ptrs, self.pooled_ptrs = self.pooled_ptrs, set()
         owner, self.pool_owner = self.pool_owner, None
-        if owner is not None and (owner() is None or owner() is not _current_manager(self.device_index)):
-            lost = [p for p in self.params if p.grad is not None and p.grad.untyped_storage().data_ptr() in ptrs]
-            for p in lost:
+        pooled = [p for p in self.params if p.grad is not None and p.grad.untyped_storage().data_ptr() in ptrs]
+        manager = owner() if owner is not None else None
+        if owner is not None and (manager is None or manager is not _current_manager(self.device_index)):
+            for p in pooled:
                 p.grad = None
-            if lost:
+            if pooled:
                 warnings.warn(f"transfuse: CUDA graph trees were reset (torch._dynamo.reset()) after a backward: "
-                              f"{len(lost)} parameter gradients that were still in their memory pool are gone and "
+                              f"{len(pooled)} parameter gradients that were still in their memory pool are gone and "
                               "set to None (use them, or zero_grad(set_to_none=True), before resetting)")
             return
-        for p in self.params:
-            grad = p.grad
-            if grad is not None and grad.untyped_storage().data_ptr() in ptrs:
-                p.grad = grad.clone()
+        for p in pooled:
+            p.grad = p.grad.clone()
 
 
 # Graphs whose backward left outputs in the CUDA-graph pool since the last forward. The pool belongs
