@@ -18,16 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import transfuse
-
-
-def build(name: str):
-    if name in ("t5-base", "bart-base"):
-        from transfuse.bench.seq2seq import make_model
-
-        return make_model(name).cuda().half().eval(), 128
-    from transfuse.bench.decoder import make_model
-
-    return make_model(name).cuda().half().eval(), 32
+from profile_step_replay import build  # the same models: a sibling script (bench/ is on sys.path)
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """Where the time of an encoder-decoder generate() goes (t5-base or bart-base geometry, fp16).
 
     PYTHONPATH=src python3 bench/profile_seq2seq.py [--geometry t5-base] [--search greedy|beam4] [--kernels]
+        [--cprofile-tokens 1]
 
-Random weights, a 128-token input, batch 1. Runs transfuse's generate() to warm up, times a full
-call and a one-token call, prints the report, the top host functions (cProfile) and, with --kernels,
-the GPU kernels of one 9-token call.
+Random weights, a 128-token input, batch 1. Warms up generate() at both lengths, times a full call
+and three one-token calls, prints the report, the top host functions of one call (cProfile; of a
+one-token call with --cprofile-tokens 1) and, with --kernels, the GPU kernels of one 9-token call.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--cprofile-tokens", type=int, default=None,
+                        help="tokens of the cProfile'd call (default --tokens; 1 profiles a time to first token)")
     args = parser.parse_args()
     import transfuse
 
@@ -36,18 +39,22 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (args.batch, 128), device="cuda")
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, min_new_tokens=args.tokens,
                **_search_kwargs(args.search))
+    def call(n):
+        return model.generate(ids, **{**gen, "max_new_tokens": n, "min_new_tokens": n})
+
     with torch.inference_mode():
-        for _ in range(2):
-            model.generate(ids, **gen)
+        for _ in range(3):  # both lengths warmed: a shape's graphs are captured the second time it comes
+            call(args.tokens)
+            call(1)
         torch.cuda.synchronize()
-        for label, n in (("full", args.tokens), ("first token", 1)):
+        for label, n in (("full", args.tokens), ("first token", 1), ("first token", 1), ("first token", 1)):
             start = time.perf_counter()
-            model.generate(ids, **{**gen, "max_new_tokens": n, "min_new_tokens": n})
+            call(n)
             torch.cuda.synchronize()
             print(f"{label}: {(time.perf_counter() - start) * 1e3:.2f} ms")
         prof = cProfile.Profile()
         prof.enable()
-        model.generate(ids, **gen)
+        call(args.cprofile_tokens or args.tokens)
         torch.cuda.synchronize()
         prof.disable()
     print(transfuse.report(model))
