@@ -115,7 +115,7 @@ def optimize(
     warmup: list | None = None,
     disable: tuple[str, ...] = (),
     module_guards: bool = False,
-    max_traces: int = 8,
+    max_traces: int = 16,
     static_cache: bool = True,
     **options,
 ) -> torch.nn.Module:
@@ -134,8 +134,10 @@ def optimize(
     disable: names of passes to skip (see transfuse.passes.manager.registry()).
     module_guards: keep Dynamo's guards on every submodule's state (slower calls; for models whose
         submodules get plain attributes assigned while optimized, see transfuse.guards).
-    max_traces: with dynamic shapes a model needs a trace or two (prompt, decode step); one that is
-        traced more often than this changes something Dynamo specialises on at every call (a
+    max_traces: with dynamic shapes a model needs a few traces: prompt and decode step, each for a
+        batch of one and for larger ones (Dynamo keeps sizes of 1 static), an encoder-decoder's
+        first prompt into a new cache, inputs made inside and outside inference mode. One traced
+        more often than this changes something Dynamo specialises on at every call (a
         sliding-window cache's position counter): it then runs as it was, and the report says why.
     static_cache: generate() without a cache named by the user uses a static KV cache, reused across
         calls, so that each decode step replays one CUDA graph (runtime/generation.py).

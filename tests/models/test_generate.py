@@ -258,3 +258,24 @@ def test_generate_inside_then_outside_inference_mode():
     with torch.inference_mode():
         first = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(first, ref) and torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), ref)
+
+
+def test_encoder_decoder_traces_under_inference_mode():
+    """Under torch.inference_mode() Hugging Face's inputs are inference tensors and the decode loop's
+    buffers are not; Dynamo guards on that. The loop's first (eager) step feeds its buffers as every
+    later step does, and a new batch size's cache is initialized like the reused ones, so each batch
+    class costs a prompt and a step trace (plus, once, the first cache's reuse) and repeats cost none."""
+    torch.manual_seed(0)
+    model = _seq2seq("t5").eval()
+    transfuse.optimize(model)
+    state = model._transfuse_state
+    added = []
+    with torch.inference_mode():
+        for batch in (1, 3):
+            ids = torch.randint(3, 97, (batch, 8))
+            for _ in range(3):
+                before = sum(len(b.records) for b in state.backends)
+                model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+                added.append(sum(len(b.records) for b in state.backends) - before)
+    assert state.eager_reason is None, state.eager_reason
+    assert added == [2, 1, 0, 2, 0, 0], added

@@ -260,6 +260,10 @@ class DecodeLoop:
                     passed = [cache, *per_token.values(), *constant.values()]
                     fixed = entry.step_inputs = fixed_inputs(model, inputs, b.tokens, passed,
                                                              None if seq2seq else b.mask)
+                    # The same tensors as every later step from this first one on: Hugging Face's
+                    # are made inside the caller's inference mode, the loop's outside it, and Dynamo
+                    # guards on that difference (one more trace of the same step).
+                    inputs = fixed.inputs if fixed.inputs is not None else inputs
             else:
                 inputs = fixed.inputs
             out = model(**inputs, return_dict=True)

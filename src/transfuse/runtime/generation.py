@@ -84,6 +84,8 @@ class StaticCacheReuse:
             if shape is not None and hasattr(cache, "early_initialization"):
                 cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
                                            dtype=self.model.dtype, device=self.model.device)
+            elif cross is not None:
+                self._initialize_like_kept(cache, batch_size)
         _keep_addresses_in_beam_search(cache)
         self.caches[key] = (cache, length)
         self.caches.move_to_end(key)
@@ -92,10 +94,40 @@ class StaticCacheReuse:
         self.created += 1
         return cache
 
+    def _initialize_like_kept(self, cache, batch_size: int) -> None:
+        """An encoder-decoder's new cache allocated now, with the heads and head dims of one that an
+        earlier call initialized: a prompt into a fresh (uninitialized) cache is a trace of its own,
+        and a reused cache is initialized. The first cache is left to initialize itself: its layers'
+        shapes are the attention's to say (T5's head dim need not be d_model / heads)."""
+        parts = ("self_attention_cache", "cross_attention_cache")
+        for kept, _ in reversed(self.caches.values()):
+            shapes = [_layer_shapes(getattr(kept, p, None)) for p in parts]
+            if all(shapes):
+                break
+        else:
+            return
+        for name, (heads, dims, dtype, device) in zip(parts, shapes):
+            part = getattr(cache, name, None)
+            if part is None or not hasattr(part, "early_initialization") or len(part.layers) != len(heads):
+                return
+            part.early_initialization(batch_size=batch_size, num_heads=heads, head_dim=dims, dtype=dtype,
+                                      device=device)
+
     def describe(self) -> str:
         sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
                           for (b, _, _, c), (_, n) in self.caches.items())
         return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
+
+
+def _layer_shapes(part):
+    """(heads per layer, head dim per layer, dtype, device) of a static cache whose layers are all
+    initialized, else None."""
+    layers = list(getattr(part, "layers", None) or ())
+    if not layers or not all(getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
+                             and layer.keys.dim() == 4 for layer in layers):
+        return None
+    return ([layer.keys.shape[1] for layer in layers], [layer.keys.shape[-1] for layer in layers],
+            layers[0].keys.dtype, layers[0].keys.device)
 
 
 def _reorder_in_place(layer, beam_idx: torch.Tensor) -> None:
