@@ -262,7 +262,7 @@ def test_demo_on_cpu(capsys):
 
 def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys):
     """`transfuse bench --model t5-base` at the tiny geometry: greedy and beam search for each
-    provider, transfuse's tokens equal eager's (fp32), results written."""
+    provider, transfuse's tokens equal eager's (fp32), the error columns, results written."""
     argv = ["--model", "seq2seq-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
             "--batches", "2", "--searches", "greedy,beam2", "--input", "5", "--new-tokens", "3", "--iters", "1", "--warmup", "0",
             "--out", str(tmp_path)]
@@ -273,3 +273,6 @@ def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     assert [r["provider"] for r in rows] == ["eager", "transfuse"] and not any("error" in r for r in rows)
     assert all(p["tokens_equal"] == 1.0 for r in rows for p in r["points"])
+    greedy = [p for r in rows for p in r["points"] if p["search"] == "greedy"]
+    # fp32 providers against the fp32 reference: the same argmax everywhere, a rounding-size error
+    assert all(p["argmax_equal_fp32"] == 1.0 and 0 <= p["logits_rel_err"] < 1e-4 for p in greedy), greedy
