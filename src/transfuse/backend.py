@@ -20,6 +20,7 @@ from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
 from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool
+from transfuse.runtime.instances import Instances, pristine_copy
 from transfuse.runtime.training_graphs import TrainingGraphs
 from transfuse.runtime.weights import MergedWeights
 
@@ -69,6 +70,16 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         _check_inputs(gm, example_inputs)
+        # Dynamo may run this graph for another instance of the module it traced (runtime/instances.py):
+        # that instance gets a compile of its own, from the graph as traced.
+        static = sorted(static_inputs(gm).values())
+        instances = None
+        if static:
+            instances = Instances(pristine_copy(gm), static,
+                                  lambda graph, inputs: self._compile(graph, inputs, instances, instance=True))
+        return self._compile(gm, example_inputs, instances)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, instances: Instances | None, instance: bool = False):
         flops_before = compute_flops(gm)
         # A graph traced with gradients on and a tensor that needs them is a training graph: only
         # passes whose ops have a backward run, it is never padded, and it runs as AOTAutograd's
@@ -112,6 +123,7 @@ class Backend:
             cuda_graphs=use_graphs,
             nodes=len(gm.graph.nodes),
             training=training,
+            instance=instance,
         )
         if training_runtime is not None:
             record.training_runtime = training_runtime
@@ -127,6 +139,7 @@ class Backend:
         # and shape, or the graph is compiled afresh.
         params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
         addresses = AddressCheck(example_inputs, static)
+        owners = instances.owners(example_inputs) if instances is not None else None
 
         # Dynamo keeps every backend alive for the life of the process (torch._dynamo.eval_frame's
         # cached_backends): what holds memory (graph, CUDA graphs, merged weights) sits in a slot
@@ -141,6 +154,8 @@ class Backend:
                 raise StaleGraph("this graph was released (its model was restored or deleted)")
             runner, merged = held
             if not addresses.same(args):
+                if instances is not None and instances.foreign(args, owners):
+                    return instances(args)  # another module instance's parameters: its own compile
                 for i, dt, dev, shp in params:
                     if args[i].dtype != dt or args[i].device != dev or args[i].shape != shp:
                         raise StaleGraph("a parameter changed dtype, device or shape since this graph was compiled")

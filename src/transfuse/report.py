@@ -23,6 +23,7 @@ class GraphRecord:
     nodes: int
     training: bool = False  # traced with gradients: the forward of a training step
     training_runtime: str = "eager autograd through the graph's ops"  # see runtime/training_graphs.py
+    instance: bool = False  # a traced graph compiled again for another module instance (runtime/instances.py)
 
     def summary(self) -> str:
         share = self.flops_transfuse / self.flops_total if self.flops_total else 0.0
@@ -99,7 +100,10 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
     rewrites: Counter = Counter()
     for r in records:
         rewrites.update(r.rewrites)
-    lines = [f"transfuse report: {len(records)} graph(s) compiled (Dynamo traces; {len(records) - 1} after the first)"]
+    instances = sum(r.instance for r in records)
+    traces = len(records) - instances
+    lines = [f"transfuse report: {len(records)} graph(s) compiled (Dynamo traces; {traces - 1} after the first)"
+             + (f", {instances} of them for other instances of a traced module" if instances else "")]
     if graph_breaks is not None:
         lines.append(f"  graph breaks: {graph_breaks}")
     lines.append("  rewrites:")
