@@ -64,9 +64,13 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
             pieces = len(_records(call))
             if traced_before == 0 and pieces > 1:
                 # Its first trace broke (BART's fp16 guard, `if not torch.isfinite(h).all()`, is Python
-                # control flow on a GPU value): Dynamo runs the rest of the layer loop as written
-                # between small graphs, and bart-base's time to first token went from 7.7 to 48 ms
-                # (H100, bench/results/*-bart-base-session9-warmup.md). The encoder as written is faster.
+                # control flow on a GPU value): each layer's forward is then a frame of its own. That
+                # ran at 48 ms to the first token (bench/results/*-bart-base-session9-warmup.md), since
+                # found to be one trace shared by every layer, re-captured at each call and with the
+                # layers' weights mixed (runtime/instances.py fixed it). With that fix the compiled
+                # pieces were neither clearly faster nor slower than the encoder as written (bart-base,
+                # H100: TTFT 7.7 / 9.2 ms at batch 1 / 8 against 12.4 / 7.4,
+                # *-bart-base-session10-encoder-{asis,compile}.log), so the as-written encoder stays.
                 state.encoder_failure = (f"its trace breaks into {pieces} graphs (Python control flow on a "
                                          "tensor's value), slower than running it as written")
                 log.info("transfuse: generate()'s encoder runs as written from now on: %s", state.encoder_failure)
