@@ -165,7 +165,12 @@ def _prune_for_shape(configs, named_args, **kwargs):
         if (block_m + weight_rows) * block_k * elem * num_stages > _SMEM_BUDGET:
             continue
         kept.append(conf)
-    return kept or configs[:1]
+    if kept or INTERPRET:
+        return kept or configs[:1]
+    # Nothing of this regime fits (fp32 operands): its first tile, fitted to shared memory.
+    block_m, block_n, block_k, num_stages, num_warps = _fit_smem(_TILES[_regime(bucket)][0], gated, elem)
+    return [triton.Config({"BLOCK_M": min(block_m, bucket), "BLOCK_N": block_n, "BLOCK_K": block_k},
+                          num_stages=num_stages, num_warps=num_warps)]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -559,9 +564,31 @@ class EpilogueOperands:
         )
 
 
-def fixed_tile(m: int, gated: bool = False) -> tuple[int, int, int, int, int]:
-    """The dependable tile of m's regime: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). One
-    compiled kernel per regime and epilogue serves every row count, so a new shape compiles nothing."""
+def _smem_bytes(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> int:
+    """Shared memory a tile's pipeline asks for: num_stages x (x tile + weight tile(s))."""
+    block_m, block_n, block_k, num_stages, _ = tile
+    return (block_m + (2 * block_n if gated else block_n)) * block_k * element_size * num_stages
+
+
+def _fit_smem(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> tuple[int, int, int, int, int]:
+    """The tile with fewer stages, then shorter K steps, until its pipeline fits _SMEM_BUDGET: the
+    tiles are sized for 16-bit operands, and fp32 ones (4 bytes) overflow the 227 KB of an H100
+    (a gated 16x64 tile with 5 stages asked for 295 KB and failed to launch)."""
+    block_m, block_n, block_k, num_stages, num_warps = tile
+    while _smem_bytes((block_m, block_n, block_k, num_stages, num_warps), gated, element_size) > _SMEM_BUDGET:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    return (block_m, block_n, block_k, num_stages, num_warps)
+
+
+def fixed_tile(m: int, gated: bool = False, element_size: int = 2) -> tuple[int, int, int, int, int]:
+    """The dependable tile of m's regime: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps), fitted
+    to shared memory for the operands' element size. One compiled kernel per regime, epilogue and
+    dtype serves every row count, so a new shape compiles nothing."""
     bucket = m_bucket(m)
     regime = _regime(bucket)
     if bucket <= FEW_M_MAX:
@@ -572,7 +599,7 @@ def fixed_tile(m: int, gated: bool = False) -> tuple[int, int, int, int, int]:
     block_m, block_n, block_k, num_stages, num_warps = _FIXED_TILES[regime]
     if gated and block_m * block_n * 2 > 128 * 256:
         block_n //= 2
-    return (min(block_m, bucket), block_n, block_k, num_stages, num_warps)
+    return _fit_smem((min(block_m, bucket), block_n, block_k, num_stages, num_warps), gated, element_size)
 
 
 def linear_fwd(
@@ -628,7 +655,7 @@ def linear_fwd(
     tune_key = _tune_key(M, N, K, split_k, activation, bias is not None, residual is not None, x.dtype)
     capturing = _is_capturing(x.device)
     if tile is None and capturing and tune_key not in _TUNED:
-        tile = fixed_tile(M, gated)  # no autotuning inside a capture (see _TUNED)
+        tile = fixed_tile(M, gated, x.element_size())  # no autotuning inside a capture (see _TUNED)
     if tile is None:
         _linear_fwd_tuned[grid](*args, **flags)
         if not capturing:

@@ -247,7 +247,7 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     # Triton runs its regime's fixed tile here, not an autotuned one: autotuning compiles and times a
     # dozen configs per row bucket, seconds that a new input shape would wait for (issue: warm-up of
     # seconds). The fixed tile is compiled once per regime and epilogue.
-    tile = kernels.fixed_tile(M, activation == "silu_mul")
+    tile = kernels.fixed_tile(M, activation == "silu_mul", x.element_size())
     splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
     if key.m_bucket > TRITON_MAX_ROWS and not os.environ.get(MEASURE_ALL_ENV):
         splits = []  # cuBLAS only, see TRITON_MAX_ROWS
