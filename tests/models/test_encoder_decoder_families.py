@@ -55,3 +55,23 @@ def test_family_logits_generate_and_matches(family):
     for out, ref in zip(outs, refs):
         assert torch.equal(out, ref)
     assert dict(model._transfuse_state.backend.records[0].rewrites) == golden
+
+
+def test_bart_fp16_graph_breaks_keep_the_weights():
+    """BART in fp16 breaks the graph in every encoder layer (`if not torch.isfinite(h).all()`), so
+    each layer's forward is a frame whose trace Dynamo reuses for every layer. The user's weights
+    must stay as they were and every call give the first call's logits (before runtime/instances.py,
+    layer 1's QKV weights were copied into layer 0's from the second call on)."""
+    config_cls, model_cls, config, _ = FAMILIES["bart"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval().half()
+    ids = torch.randint(3, 97, (2, 9))
+    decoder_ids = torch.randint(3, 97, (2, 5))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(input_ids=ids, decoder_input_ids=decoder_ids).logits.float()
+        transfuse.optimize(model)
+        outs = [model(input_ids=ids, decoder_input_ids=decoder_ids).logits.float() for _ in range(3)]
+    assert not [k for k, v in model.state_dict().items() if not torch.equal(v, weights[k])]
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert rel_err(outs[0], ref) < 5e-3  # fp16 against fp16 eager
