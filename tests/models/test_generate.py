@@ -279,3 +279,25 @@ def test_encoder_decoder_traces_under_inference_mode():
                 added.append(sum(len(b.records) for b in state.backends) - before)
     assert state.eager_reason is None, state.eager_reason
     assert added == [2, 1, 0, 2, 0, 0], added
+
+
+def test_encoder_decoder_new_cache_after_a_dtype_change():
+    """A new batch size's cache is allocated like a kept one (its heads and head dims) but in the
+    model's dtype now: after model.bfloat16() the kept fp32 cache must not set the new one's dtype."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _seq2seq("t5").eval()
+    ref = copy.deepcopy(model).bfloat16()
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        transfuse.optimize(model)
+        model.generate(torch.randint(3, 97, (1, 8)), **kwargs)  # a kept fp32 cache
+        model.bfloat16()
+        ids = torch.randint(3, 97, (3, 8))
+        out = model.generate(ids, **kwargs)
+        expected = ref.generate(ids, **kwargs)
+    caches = model._transfuse_state.static_cache.caches
+    assert all(layer.keys.dtype == torch.bfloat16 for (batch, *_), (cache, _) in caches.items() if batch == 3
+               for part in (cache.self_attention_cache, cache.cross_attention_cache) for layer in part.layers)
+    assert torch.equal(out, expected)

@@ -106,12 +106,13 @@ class StaticCacheReuse:
                 break
         else:
             return
-        for name, (heads, dims, dtype, device) in zip(parts, shapes):
+        for name, (heads, dims) in zip(parts, shapes):
             part = getattr(cache, name, None)
             if part is None or not hasattr(part, "early_initialization") or len(part.layers) != len(heads):
                 return
-            part.early_initialization(batch_size=batch_size, num_heads=heads, head_dim=dims, dtype=dtype,
-                                      device=device)
+            # The model's dtype and device now (it may have moved since the kept cache was made).
+            part.early_initialization(batch_size=batch_size, num_heads=heads, head_dim=dims,
+                                      dtype=self.model.dtype, device=self.model.device)
 
     def describe(self) -> str:
         sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
@@ -120,14 +121,13 @@ class StaticCacheReuse:
 
 
 def _layer_shapes(part):
-    """(heads per layer, head dim per layer, dtype, device) of a static cache whose layers are all
-    initialized, else None."""
+    """(heads per layer, head dim per layer) of a static cache whose layers are all initialized,
+    else None."""
     layers = list(getattr(part, "layers", None) or ())
     if not layers or not all(getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
                              and layer.keys.dim() == 4 for layer in layers):
         return None
-    return ([layer.keys.shape[1] for layer in layers], [layer.keys.shape[-1] for layer in layers],
-            layers[0].keys.dtype, layers[0].keys.device)
+    return [layer.keys.shape[1] for layer in layers], [layer.keys.shape[-1] for layer in layers]
 
 
 def _reorder_in_place(layer, beam_idx: torch.Tensor) -> None:
