@@ -75,3 +75,36 @@ def test_bart_fp16_graph_breaks_keep_the_weights():
     assert not [k for k, v in model.state_dict().items() if not torch.equal(v, weights[k])]
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
     assert rel_err(outs[0], ref) < 5e-3  # fp16 against fp16 eager
+
+
+# BART's relatives (sinusoidal or learned positions, pre- or post-norm, their own fp16 guards)
+BART_FAMILY = {
+    "marian": ("MarianConfig", "MarianMTModel", dict(decoder_vocab_size=97)),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", {}),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BART_FAMILY))
+def test_bart_family_generate_matches_eager(family):
+    """Marian, Pegasus and mBART through the same machinery: greedy (decode loop) and beam search
+    (Hugging Face's loop) equal eager's, with padding in the encoder input."""
+    config_cls, model_cls, extra = BART_FAMILY[family]
+    config = getattr(transformers, config_cls)(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, forced_eos_token_id=None, **extra,
+        **COMMON)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    searches = [dict(max_new_tokens=6, do_sample=False), dict(max_new_tokens=6, num_beams=3, do_sample=False)]
+    with torch.no_grad():
+        refs = [model.generate(ids, attention_mask=mask, **s) for s in searches]
+        transfuse.optimize(model)
+        outs = [model.generate(ids, attention_mask=mask, **s) for s in searches]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+    state = model._transfuse_state
+    assert state.eager_reason is None and state.decode_loop.calls == 1 and not state.decode_loop.left_to_hf
