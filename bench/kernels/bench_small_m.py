@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 # the sibling script's CUDA-event timer (run as a script, this folder is on sys.path)
 from bench_gemv import median_us
+from transfuse.bench.floor import measure_copy_gbps
 from transfuse.kernels.gemm import linear_fwd
 
 GEOMETRIES = {  # (name, N, K, activation, residual); for "silu_mul" N is the output (weight 2N rows)
@@ -64,13 +65,6 @@ def graph_time_us(fn, reps=30, layers=LAYERS):
     return median_us(graph.replay, reps, calls=layers)
 
 
-def copy_bandwidth_gbs(nbytes=1 << 30):
-    """Device-to-device copy bandwidth (read + write bytes per second), GB/s."""
-    src = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16)
-    dst = torch.empty_like(src)
-    us = median_us(lambda: dst.copy_(src), 20)
-    return 2 * nbytes / (us * 1e3)
-
 
 def main():
     parser = argparse.ArgumentParser()
@@ -81,8 +75,9 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     M = args.m
-    tiles, splits, layers = (WIDE_TILES, WIDE_SPLITS, args.layers) if args.wide else (TILES, SPLITS, args.layers)
-    bandwidth = copy_bandwidth_gbs()
+    tiles, splits = (WIDE_TILES, WIDE_SPLITS) if args.wide else (TILES, SPLITS)
+    layers = args.layers
+    bandwidth = measure_copy_gbps()
     print(f"M={M}, fp16, us per GEMM (inside a graph of {layers} over distinct weights); "
           f"copy bandwidth {bandwidth:.0f} GB/s")
     for name, N, K, act, res in GEOMETRIES[args.geometry]:

@@ -76,10 +76,13 @@ class Backend:
         instances = None
         if static:
             instances = Instances(pristine_copy(gm), static,
-                                  lambda graph, inputs: self._compile(graph, inputs, instances, instance=True))
-        return self._compile(gm, example_inputs, instances)
+                                  lambda graph, inputs: self._compile(graph, inputs, static, instances, instance=True))
+        return self._compile(gm, example_inputs, static, instances)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list, instances: Instances | None, instance: bool = False):
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, static: list[int], instances: Instances | None,
+                 instance: bool = False):
+        """Passes and runtime for one graph; `static`: the positions of its parameter and buffer
+        inputs (the passes keep the placeholders)."""
         flops_before = compute_flops(gm)
         # A graph traced with gradients on and a tensor that needs them is a training graph: only
         # passes whose ops have a backward run, it is never padded, and it runs as AOTAutograd's
@@ -89,7 +92,6 @@ class Backend:
         run_passes(ctx, disabled=frozenset(self.options.get("disable", ())))
         merged = MergedWeights(ctx.merged_weights)
         self.merged.append(merged)
-        static = sorted(static_inputs(gm).values())
         use_graphs = (self.options.get("cuda_graphs", True) and not training and _on_cuda(example_inputs)
                       and _graph_safe(gm, example_inputs))
         # Inputs the graph writes in place (a static KV cache): a CUDA graph must write the caller's

@@ -112,11 +112,31 @@ def _tile_of(conf: triton.Config) -> tuple[int, int, int, int, int]:
     return (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], conf.num_stages, conf.num_warps)
 
 
+def _smem_bytes(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> int:
+    """Shared memory a tile's pipeline asks for: num_stages x (x tile + weight tile(s))."""
+    block_m, block_n, block_k, num_stages, _ = tile
+    return (block_m + (2 * block_n if gated else block_n)) * block_k * element_size * num_stages
+
+
+def _fit_smem(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> tuple[int, int, int, int, int]:
+    """The tile with fewer stages, then shorter K steps, until its pipeline fits _SMEM_BUDGET: the
+    tiles are sized for 16-bit operands, and fp32 ones (4 bytes) overflow the 227 KB of an H100
+    (a gated 16x64 tile with 5 stages asked for 295 KB and failed to launch)."""
+    block_m, block_n, block_k, num_stages, num_warps = tile
+    while _smem_bytes((block_m, block_n, block_k, num_stages, num_warps), gated, element_size) > _SMEM_BUDGET:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    return (block_m, block_n, block_k, num_stages, num_warps)
+
+
 def keep(conf: triton.Config) -> bool:
     """Static prune: configs whose pipeline does not fit in shared memory even in the lightest
     case (16-bit operands, one weight tile)."""
-    block_m, block_n, block_k, num_stages, _ = _tile_of(conf)
-    return (block_m + block_n) * block_k * 2 * num_stages <= _SMEM_BUDGET
+    return _smem_bytes(_tile_of(conf), gated=False, element_size=2) <= _SMEM_BUDGET
 
 
 def _linear_configs() -> list[triton.Config]:
@@ -149,7 +169,7 @@ def _prune_for_shape(configs, named_args, **kwargs):
     elem = args["x_ptr"].element_size()
     kept = []
     for conf in configs:
-        block_m, block_n, block_k, num_stages, num_warps = tile = _tile_of(conf)
+        block_m, block_n, _, _, num_warps = tile = _tile_of(conf)
         if tile not in wanted or block_m > bucket:
             continue
         # A gated program holds two accumulators and streams two weight tiles.
@@ -162,7 +182,7 @@ def _prune_for_shape(configs, named_args, **kwargs):
         # the pipeline's addresses and loaded fragments need the rest).
         if block_m * weight_rows > 128 * 32 * num_warps:
             continue
-        if (block_m + weight_rows) * block_k * elem * num_stages > _SMEM_BUDGET:
+        if _smem_bytes(tile, gated, elem) > _SMEM_BUDGET:
             continue
         kept.append(conf)
     if kept or INTERPRET:
@@ -562,27 +582,6 @@ class EpilogueOperands:
             M, N, self.split_k,
             **self.flags, BLOCK_M=block_m, BLOCK_N=block_n, **pdl(self.out),
         )
-
-
-def _smem_bytes(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> int:
-    """Shared memory a tile's pipeline asks for: num_stages x (x tile + weight tile(s))."""
-    block_m, block_n, block_k, num_stages, _ = tile
-    return (block_m + (2 * block_n if gated else block_n)) * block_k * element_size * num_stages
-
-
-def _fit_smem(tile: tuple[int, int, int, int, int], gated: bool, element_size: int) -> tuple[int, int, int, int, int]:
-    """The tile with fewer stages, then shorter K steps, until its pipeline fits _SMEM_BUDGET: the
-    tiles are sized for 16-bit operands, and fp32 ones (4 bytes) overflow the 227 KB of an H100
-    (a gated 16x64 tile with 5 stages asked for 295 KB and failed to launch)."""
-    block_m, block_n, block_k, num_stages, num_warps = tile
-    while _smem_bytes((block_m, block_n, block_k, num_stages, num_warps), gated, element_size) > _SMEM_BUDGET:
-        if num_stages > 2:
-            num_stages -= 1
-        elif block_k > 32:
-            block_k //= 2
-        else:
-            break
-    return (block_m, block_n, block_k, num_stages, num_warps)
 
 
 def fixed_tile(m: int, gated: bool = False, element_size: int = 2) -> tuple[int, int, int, int, int]:
