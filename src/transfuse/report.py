@@ -150,7 +150,20 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
                              f"({_uncaptured_why(runner)})")
             if runner.exact_calls:
                 lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
+            done = getattr(runner, "precompiled", None)
+            if done:
+                lines.append(f"    precompile at the second bucket: {_precompile_line(done)}")
     return "\n".join(lines)
+
+
+def _precompile_line(done: dict) -> str:
+    if done["skipped"]:
+        return f"none ({done['skipped']})"
+    failed = f", {done['failed']} failed (compiled again at their first launch)" if done["failed"] else ""
+    if done.get("failed_buckets"):
+        failed += f", {done['failed_buckets']} dry runs failed (first: {done.get('error', '')})"
+    return (f"{done['buckets']} buckets dry-run in {done.get('dry_run_seconds', 0.0):.1f} s, {done['compiles']} Triton "
+            f"compiles in {done.get('how') or 'parallel'}, {done['seconds']:.1f} s in all{failed}")
 
 
 def _uncaptured_why(runner) -> str:

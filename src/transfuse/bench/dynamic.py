@@ -99,7 +99,9 @@ def _first_call(args, device) -> None:
     with torch.inference_mode():
         model(**inputs)
     torch.cuda.synchronize()
-    print(json.dumps({"first_call_s": time.perf_counter() - start}))
+    seconds = time.perf_counter() - start
+    lines = [line.strip() for line in transfuse.report(model).splitlines() if "precompile" in line]
+    print(json.dumps({"first_call_s": seconds, "precompile": lines}))
 
 
 def _cold_starts(args) -> dict[str, float]:
@@ -113,6 +115,8 @@ def _cold_starts(args) -> dict[str, float]:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
             out[label] = json.loads(line[-1])["first_call_s"] if line else float("nan")
+            if line:
+                out[label + "_precompile"] = json.loads(line[-1]).get("precompile", [])
             if not line:
                 print(proc.stderr[-2000:], file=sys.stderr)
     return out
@@ -234,6 +238,8 @@ def summarize(results: dict[str, Any]) -> str:
     if cold:
         lines.append(f"transfuse first call in a fresh process: {cold['empty_caches']:.1f} s with empty caches, "
                      f"{cold['warm_caches']:.1f} s with warm caches")
+        for label in ("empty_caches", "warm_caches"):
+            lines += [f"  {label}: {text}" for text in cold.get(label + "_precompile", [])]
     return "\n".join(lines)
 
 

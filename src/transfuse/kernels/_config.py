@@ -5,6 +5,7 @@ configs fails and bf16 arithmetic is wrong unless values are widened to fp32 aft
 kernel files ask here instead of reading the environment themselves.
 """
 
+import contextvars
 import os
 
 import triton
@@ -16,6 +17,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def tune_configs(configs: list[triton.Config], interpret: triton.Config) -> list[triton.Config]:
     """The configs to autotune over: all of them on a GPU, the single `interpret` one under the interpreter."""
     return [interpret] if INTERPRET else configs
+
+
+# Set by runtime/precompile.py while it dry-runs a graph: Triton launches only queue their compiles.
+# Launchers that keep state about what has run (loaded, tuned) must not record anything then.
+COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("transfuse_compile_only", default=False)
+
+
+def compiling_only() -> bool:
+    return COMPILE_ONLY.get()
 
 
 def next_power_of_2(n: int) -> int:

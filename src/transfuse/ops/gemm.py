@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from transfuse.kernels import gemm as kernels
 from transfuse.kernels import gemv
-from transfuse.kernels._config import INTERPRET
+from transfuse.kernels._config import INTERPRET, compiling_only
 
 BACKEND_ENV = "TRANSFUSE_GEMM_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
@@ -237,7 +237,8 @@ def _heuristic_choice(key: GemmKey, triton_loaded: bool) -> GemmChoice:
     return GemmChoice("triton" if use_triton else "torch", split_k=1, measured=False, note="heuristic (capture)")
 
 
-def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
+def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[dict[str, Callable[[], object]], tuple]:
+    """Each implementation to time for this key, as a call; and the Triton tile they use."""
     M = math.prod(x.shape[:-1])
     candidates: dict[str, Callable[[], object]] = {
         "torch": lambda: linear_torch(x, weight, bias, activation, residual),
@@ -257,7 +258,24 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
 
     if M <= gemv.GEMV_FAST_M_MAX and gemv.gemv_applies(x, weight, max_rows=gemv.GEMV_FAST_M_MAX):
         candidates["gemv"] = lambda: gemv.gemv_fwd(x, weight, bias, activation, residual)
+    return candidates, tile
 
+
+def _queue_compiles(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
+    """In a precompile dry run (runtime/precompile.py): our candidates' launches only queue their
+    compiles; nothing is timed or recorded, and the dry run goes on with cuBLAS."""
+    candidates, _ = _candidates(key, x, weight, bias, activation, residual)
+    for name, fn in candidates.items():
+        if _ours(name):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the real call measures it again and reports a failure
+                pass
+    return GemmChoice("torch", note="precompile dry run")
+
+
+def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
+    candidates, tile = _candidates(key, x, weight, bias, activation, residual)
     note = ""
     for name, fn in list(candidates.items()):
         try:
@@ -303,6 +321,8 @@ def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
     choice = _CHOICES.get(key)
     if choice is not None and (choice.measured or capturing):
         return choice
+    if compiling_only():
+        return _queue_compiles(key, x, weight, bias, activation, residual)
     if capturing:
         loaded = kernels.is_tuned(M, n_out, x.shape[-1], 1, activation, bias is not None, residual is not None,
                                   x.dtype)

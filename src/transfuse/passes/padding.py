@@ -66,6 +66,7 @@ class PaddingPlan:
     paddable: set                     # symbols that may be padded
     refused: dict                     # symbol -> why it may not be padded
     key_lens: list = dataclasses.field(default_factory=list)  # (symbol, int32 buffer attention reads)
+    lower: dict = dataclasses.field(default_factory=dict)  # symbol -> smallest value its guards allow
 
 
 def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
@@ -118,6 +119,7 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
         output_dims=output_dims,
         paddable=symbols - set(refused),
         refused=refused,
+        lower={s: _lower_bound(shape_env, s) for s in symbols},
     )
     _add_key_lengths(gm, plan, analysis.attention_keys)
     return plan
@@ -133,6 +135,15 @@ def _readable(placeholder: str) -> str:
 
 def _flat_outputs(out: Any) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _lower_bound(shape_env, symbol) -> int:
+    """The smallest value Dynamo's guards allow (2 for a dimension traced as dynamic: sizes 0 and 1
+    get traces of their own)."""
+    bound = shape_env.var_to_range.get(symbol)
+    if bound is None or not isinstance(bound.lower, sympy.Integer):
+        return 0
+    return int(bound.lower)
 
 
 def _upper_bound(shape_env, symbol) -> int | None:

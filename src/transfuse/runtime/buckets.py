@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from transfuse.passes.padding import PaddingPlan
+from transfuse.runtime import precompile
 from transfuse.runtime.cuda_graphs import GraphCache, GraphPool, _Captured, run_directly
 
 
@@ -77,6 +78,7 @@ class PaddedRunner(GraphCache):
         for i, d, s in plan.tensor_dims:
             self._dims_of_input[i].append((d, s))
         self._first_input = min(self._dims_of_input) if self._dims_of_input else None
+        self.precompiled: dict | None = None  # what the dry run at the second bucket did
 
     # ---- sizes
     def _real_sizes(self, args) -> dict:
@@ -178,11 +180,74 @@ class PaddedRunner(GraphCache):
             if self._has_exact_sizes and key not in self.graphs and self.run_without_graph(key):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
+            if self.precompiled is None and self.graphs:  # a second bucket: compile every bucket's kernels now
+                self._precompile(args, real, target)
             padded = self._padded_args(args, real, target)
             captured = self.store(key, _Captured(self.fn, padded, self.static_indices, self.pool))
         self._fill(captured, args, real)
         captured.graph.replay()
         return self._slice_outputs(captured.outputs, real, target, clone=True)
+
+    # ---- precompile (runtime/precompile.py)
+    def _precompile(self, args, real: dict, target: dict) -> None:
+        """Dry-runs the graph at every bucket it may meet, its Triton kernels compiled in parallel."""
+        self.precompiled = {"buckets": 0, "compiles": 0, "failed": 0, "seconds": 0.0, "skipped": ""}
+        if not precompile.enabled():
+            self.precompiled["skipped"] = f"{precompile.ENV}=0"
+            return
+        groups: dict = collections.defaultdict(list)  # symbols of one value are padded alike (_targets)
+        for s, n in real.items():
+            groups[n].append(s)
+        bucketed = [symbols for symbols in groups.values() if all(s in self.plan.paddable for s in symbols)]
+        sizes = []
+        for symbols in bucketed:
+            uppers = [self.plan.upper[s] for s in symbols if self.plan.upper.get(s) is not None]
+            lower = max(self.plan.lower.get(s, 0) for s in symbols)
+            sizes.append(precompile.bucket_sizes(self.policy, min(uppers) if uppers else None,
+                                                 cap=max(64, target[symbols[0]]), lower=lower))
+        rows_dims = [s for _, s in self._dims_of_input.get(self._first_input, [])]
+
+        def at(combo) -> dict:
+            sizes_now = dict(target)
+            for symbols, n in zip(bucketed, combo):
+                sizes_now.update(dict.fromkeys(symbols, n))
+            return sizes_now
+
+        rows = lambda combo: math.prod(at(combo)[s] for s in rows_dims)  # noqa: E731
+        combos = precompile.grid(sizes, rows, max(precompile.MAX_ROWS, math.prod(target[s] for s in rows_dims)))
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        marker = precompile.marker(device, getattr(self.fn, "code", ""), [sorted(map(str, at(c).values())) for c in combos])
+        if marker is not None and marker.exists():
+            self.precompiled["skipped"] = "compiled by an earlier process (Triton's disk cache has them)"
+            return
+        failures = 0
+        with precompile.compile_only() as stats:
+            for combo in combos:
+                try:
+                    self.fn(*self._args_at(args, at(combo)))
+                except Exception as e:  # noqa: BLE001 - a dry run only saves time; the real call reports errors
+                    failures += 1
+                    self.precompiled.setdefault("error", f"sizes {combo}: "
+                                                         f"{type(e).__name__}: {str(e)[:200]}")
+        self.precompiled.update(stats, buckets=len(combos) - failures, failed_buckets=failures)
+        if not stats["failed"] and not failures:
+            precompile.mark(marker)
+
+    def _args_at(self, args, target: dict) -> list:
+        """The call's arguments resized to `target` (a dry run's: values never matter, only shapes)."""
+        out = list(args)
+        for i, s in self.plan.sym_args.items():
+            out[i] = target[s]
+        for i, dims in self._dims_of_input.items():
+            a = args[i]
+            shape = list(a.shape)
+            for d, s in dims:
+                shape[d] = target[s]
+            if shape != list(a.shape):
+                # Integer inputs may be indices (token ids): filled with a value the input has.
+                first = a.reshape(-1)[:1].reshape([1] * a.dim()) if a.numel() else a.new_zeros([1] * a.dim())
+                out[i] = first.expand(shape).contiguous()
+        return out
 
     def _fill(self, captured: _Captured, args, real: dict) -> None:
         for i, buf in captured.inputs:

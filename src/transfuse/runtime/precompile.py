@@ -1,0 +1,217 @@
+"""Compile every bucket's Triton kernels at once, in parallel, when a second bucket comes.
+
+A model served at many shapes needs a few dozen Triton variants (attention per sequence regime, GEMM
+tiles per row regime, ...). Compiled one by one as each bucket first comes, they were most of a cold
+start: ~40 compiles, 1-2 s each once a new bucket came (bench/results/*triton-variants-cold-stream*).
+Compiles run in parallel threads (bench/kernels/compile_parallel.py; see compile_only for how much).
+
+So when a bucketed runner is about to capture its second bucket (the first call compiles only what
+it needs: a model served at one shape pays nothing more), it dry-runs its graph once per bucket it
+may meet, in `compile_only()`: every Triton launch becomes Triton's own compile-without-launch
+(`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode); autotuned kernels queue every
+config they would time; the GEMM dispatcher queues its Triton candidates and times nothing. Outputs
+of a dry run are never read (kernels do not run; their outputs hold whatever memory held). The block
+waits for every compile; later launches find their binaries in Triton's in-memory cache.
+
+A marker on disk (keyed by GPU, versions, kernel sources, Triton's cache directory, the graph and its
+buckets) says that an earlier process compiled the same set: then nothing is dry-run and the first
+launches read Triton's disk cache as before. TRANSFUSE_PRECOMPILE=0 turns this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from transfuse.kernels._config import COMPILE_ONLY
+
+ENV = "TRANSFUSE_PRECOMPILE"
+# A dry run allocates every intermediate of a forward at the bucket's size: buckets above this many
+# rows of the first dynamic input (e.g. batch x seq tokens) are not dry-run, unless the call that
+# triggers the precompile is itself that large. Above a few thousand rows the GEMMs are cuBLAS's and
+# the sequence regimes of attention are already met at batch 1.
+MAX_ROWS = 2048
+_ACTIVE = COMPILE_ONLY
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
+def active() -> bool:
+    """Whether launches are being turned into compiles (ops with choices of their own, like the
+    GEMM dispatcher, queue their candidates and time nothing)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None):
+    """Inside: Triton launches compile in a thread pool (Triton's AsyncCompileMode) and do not run.
+    On exit: waits for every compile; a failed one is dropped (its first real launch compiles it
+    again and reports its error there). Yields a dict that holds {"compiles", "failed", "seconds",
+    "dry_run_seconds", "how"} after the block.
+
+    Threads, not processes: Triton's code generator is Python and holds the interpreter lock, but its
+    LLVM and ptxas stages do not (44 bert-base variants: 14 s in 16 threads). Compiling in fresh
+    processes from Triton's serialised specialisations was measured slower on the H100 host (19 s:
+    each process starts torch and Triton first) and is not used."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    stats = {"compiles": 0, "failed": 0, "seconds": 0.0, "how": ""}
+    workers = workers or min(16, os.cpu_count() or 1)
+    jit_run, tune_run = JITFunction.run, Autotuner.run
+    touched: dict = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if _ACTIVE.get():
+            touched[id(self)] = self
+            warmup = True
+        return jit_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def tune(self, *args, **kwargs):
+        if not _ACTIVE.get():
+            return tune_run(self, *args, **kwargs)
+        # Every config the autotuner would time, compiled; none timed or chosen here (timing no-ops
+        # would cache a meaningless choice). Pre-hooks (zeroing for split-K) are not run: nothing runs.
+        self.nargs = dict(zip(self.arg_names, args))
+        configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+        for config in configs:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+        self.nargs = None
+
+    start = time.perf_counter()
+    threads = _ThreadCompiles(workers)
+    try:
+        with threads:
+            token = _ACTIVE.set(True)
+            JITFunction.run, Autotuner.run = run, tune
+            try:
+                yield stats
+            finally:
+                _ACTIVE.reset(token)
+                JITFunction.run, Autotuner.run = jit_run, tune_run
+                stats["dry_run_seconds"] = time.perf_counter() - start
+        _forget(touched.values(), threads.failed_kernels)
+        stats.update(compiles=threads.compiles, failed=threads.failed,
+                     how=f"{workers} threads" if threads.mode is not None else "series (no AsyncCompileMode)")
+    finally:
+        JITFunction.run, Autotuner.run = jit_run, tune_run
+        stats["seconds"] = time.perf_counter() - start
+
+
+class _ThreadCompiles:
+    """Triton's AsyncCompileMode over a thread pool; without it (an older Triton) the dry run's
+    launches compile one by one as it meets them."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.compiles = self.failed = 0
+        self.failed_kernels: list = []
+
+    def __enter__(self):
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:
+            self.mode = None
+            return self
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="transfuse-compile")
+        self.mode = AsyncCompileMode(self.pool)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is None:
+            return False
+        for future_kernel in list(self.mode.future_kernels.values()):
+            try:
+                future_kernel.result()
+            except Exception:  # noqa: BLE001 - reported by the real launch, see compile_only
+                self.failed_kernels.append(future_kernel)
+        # The mode's exit waits on its futures again and would raise a failed one's error.
+        self.mode.raw_futures[:] = [f for f in self.mode.raw_futures if f.exception() is None]
+        self.compiles = len(self.mode.future_kernels)
+        self.failed = len(self.failed_kernels)
+        self.mode.__exit__(None, None, None)
+        self.pool.shutdown()
+        return False
+
+
+def _forget(functions, failed: list) -> None:
+    """Drops failed compiles from the kernels' in-memory caches, where the async mode left them."""
+    if not failed:
+        return
+    failed_ids = {id(f) for f in failed}
+    for fn in functions:
+        for caches in getattr(fn, "device_caches", {}).values():
+            kernel_cache = caches[0]
+            for key in [k for k, v in kernel_cache.items() if id(v) in failed_ids]:
+                del kernel_cache[key]
+
+
+# -------------------------------------------------------------------------------------------------
+# Which buckets, and whether an earlier process compiled them
+# -------------------------------------------------------------------------------------------------
+
+
+def bucket_sizes(policy, upper: int | None, cap: int, lower: int = 0) -> list[int]:
+    """Every bucket size of one dimension: the policy's list, or powers of two, from its lower bound
+    (smaller sizes go to another trace) up to its upper bound (the largest size the graph allows) or
+    `cap` where it has none."""
+    limit = upper if upper is not None else cap
+    if policy.sizes is not None:
+        sizes = [s for s in policy.sizes if s <= limit]
+        if upper is not None and policy.sizes[-1] > upper:
+            sizes.append(upper)  # the policy clamps larger sizes to the upper bound
+        return sorted(s for s in set(sizes) if s >= lower)
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    sizes.append(limit)
+    return sorted(s for s in set(sizes) if s >= lower)
+
+
+def grid(groups: list[list[int]], rows_of, max_rows: int) -> list[tuple]:
+    """The product of each group's sizes, keeping the combinations whose rows (rows_of(combo)) fit."""
+    return [combo for combo in itertools.product(*groups) if rows_of(combo) <= max_rows]
+
+
+def _marker_dir() -> Path:
+    from transfuse.runtime.tuning_cache import cache_dir
+
+    return cache_dir() / "precompiled"
+
+
+def marker(device: torch.device, graph_code: str, keys: list) -> Path | None:
+    """The file whose presence says this graph's buckets were compiled into this Triton cache."""
+    if device.type != "cuda":
+        return None
+    import triton
+
+    from transfuse import kernels
+
+    props = torch.cuda.get_device_properties(device)
+    triton_dir = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    sources = sorted(Path(kernels.__file__).parent.glob("*.py"))
+    ident = "|".join([props.name, f"{props.major}.{props.minor}", torch.__version__, triton.__version__,
+                      str(torch.version.cuda), triton_dir, graph_code, repr(keys)]
+                     + [p.read_text() for p in sources])
+    return _marker_dir() / hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def mark(path: Path | None) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass  # a read-only cache directory costs a dry run next time, nothing else
