@@ -150,6 +150,9 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
                              f"({_uncaptured_why(runner)})")
             if runner.exact_calls:
                 lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
+            first = getattr(runner, "precompiled_first", None)
+            if first:
+                lines.append(f"    precompile of the first bucket: {_precompile_line(first)}")
             done = getattr(runner, "precompiled", None)
             if done:
                 lines.append(f"    precompile at the second bucket: {_precompile_line(done)}")

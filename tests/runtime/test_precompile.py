@@ -73,7 +73,7 @@ def test_dry_runs_cover_every_bucket_and_leave_calls_exact(monkeypatch):
     real = runner._real_sizes(args)
     target = runner._targets(real)
     shapes = _record_dry_runs(monkeypatch, runner, run=False)  # the interpreter would run them: minutes
-    runner._precompile(args, real, target)
+    runner._precompile(args, real, target, every_bucket=True)
     assert runner.precompiled["buckets"] == len(shapes) and not runner.precompiled["skipped"]
     assert sorted(shapes) == [(b, s) for b in (4, 16) for s in (4, 16)]
     rng = random.Random(0)
@@ -102,7 +102,7 @@ def test_large_buckets_are_not_dry_run(monkeypatch):
     real = runner._real_sizes(calls[-1])
     monkeypatch.setattr(precompile, "MAX_ROWS", 64)
     shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    runner._precompile(calls[-1], real, runner._targets(real))
+    runner._precompile(calls[-1], real, runner._targets(real), every_bucket=True)
     # Powers of two from each size's lower bound (a size Dynamo traces apart, e.g. 1, is not this
     # graph's), batch up to the cap of 64 and sequence up to the 64 positions, 64 rows at most.
     lower = {runner.plan.names[s]: runner.plan.lower[s] for s in runner.symbols}
@@ -110,6 +110,25 @@ def test_large_buckets_are_not_dry_run(monkeypatch):
     powers = (1, 2, 4, 8, 16, 32, 64)
     assert sorted(shapes) == sorted((b, s) for b in powers for s in powers
                                     if b * s <= 64 and b >= lower["input_ids.size(0)"] and s >= 2)
+
+
+def test_first_bucket_dry_runs_itself_only(monkeypatch):
+    model = BERT.build("sdpa")
+    transfuse.optimize(model)
+    calls = []
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 50, (3, 9)))
+    (runner,) = [r for b in model._transfuse_state.backends for r in b.runners]
+    fn = runner.fn
+    runner.fn = lambda *a: (calls.append(a), fn(*a))[1]
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 50, (3, 9)))
+    runner.fn = fn
+    real = runner._real_sizes(calls[-1])
+    shapes = _record_dry_runs(monkeypatch, runner, run=False)
+    runner._precompile(calls[-1], real, runner._targets(real), every_bucket=False)
+    assert shapes == [(4, 16)]  # the call's own bucket
+    assert runner.precompiled is None and runner.precompiled_first["buckets"] == 1
 
 
 def test_off_by_environment(monkeypatch):

@@ -47,6 +47,7 @@ _SCRIPT = textwrap.dedent("""
     out["after_all"] = kernels_compiled()
     # The first runner's (batch 2 and up); batch 1 is a trace of its own (torch's SDPA checks).
     out["precompiled"] = [r.precompiled for r in runners if getattr(r, "precompiled", None)]
+    out["first_buckets"] = [r.precompiled_first for r in runners if getattr(r, "precompiled_first", None)]
     out["report"] = transfuse.report(opt)
     print(json.dumps(out))
 """)
@@ -65,6 +66,8 @@ def test_precompile_then_no_compile_per_bucket(tmp_path):
     assert not done["skipped"] and done["failed"] == 0, (first["report"], done)
     assert done["buckets"] >= 20 and done["compiles"] > 0
     assert first["after_second"] >= done["compiles"] > 0
+    later += first["first_buckets"][1:]  # another trace's first bucket (batch 1) may compile its own
+    assert first["first_buckets"][0]["compiles"] > 0 and first["first_buckets"][0]["buckets"] == 1
     assert first["after_all"] == first["after_second"] + sum(p["compiles"] for p in later), \
         "a later bucket compiled a kernel the precompile missed"
     for ours, torch_fp16 in first["errors"]:

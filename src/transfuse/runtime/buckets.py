@@ -79,6 +79,7 @@ class PaddedRunner(GraphCache):
             self._dims_of_input[i].append((d, s))
         self._first_input = min(self._dims_of_input) if self._dims_of_input else None
         self.precompiled: dict | None = None  # what the dry run at the second bucket did
+        self.precompiled_first: dict | None = None  # the first bucket's (its own kernels only)
 
     # ---- sizes
     def _real_sizes(self, args) -> dict:
@@ -180,8 +181,8 @@ class PaddedRunner(GraphCache):
             if self._has_exact_sizes and key not in self.graphs and self.run_without_graph(key):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
-            if self.precompiled is None and self.graphs:  # a second bucket: compile every bucket's kernels now
-                self._precompile(args, real, target)
+            if self.precompiled is None:  # the first bucket's kernels, then at the second every bucket's
+                self._precompile(args, real, target, every_bucket=bool(self.graphs))
             padded = self._padded_args(args, real, target)
             captured = self.store(key, _Captured(self.fn, padded, self.static_indices, self.pool))
         self._fill(captured, args, real)
@@ -189,11 +190,13 @@ class PaddedRunner(GraphCache):
         return self._slice_outputs(captured.outputs, real, target, clone=True)
 
     # ---- precompile (runtime/precompile.py)
-    def _precompile(self, args, real: dict, target: dict) -> None:
-        """Dry-runs the graph at every bucket it may meet, its Triton kernels compiled in parallel."""
-        self.precompiled = {"buckets": 0, "compiles": 0, "failed": 0, "seconds": 0.0, "skipped": ""}
+    def _precompile(self, args, real: dict, target: dict, every_bucket: bool) -> None:
+        """Dry-runs the graph at every bucket it may meet (every_bucket) or at this call's bucket
+        only (the first capture: a model served at one shape compiles nothing more), its Triton
+        kernels compiled in parallel."""
+        done = {"buckets": 0, "compiles": 0, "failed": 0, "seconds": 0.0, "skipped": ""}
         if not precompile.enabled():
-            self.precompiled["skipped"] = f"{precompile.ENV}=0"
+            self.precompiled = dict(done, skipped=f"{precompile.ENV}=0")
             return
         groups: dict = collections.defaultdict(list)  # symbols of one value are padded alike (_targets)
         for s, n in real.items():
@@ -218,18 +221,23 @@ class PaddedRunner(GraphCache):
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         marker = precompile.marker(device, getattr(self.fn, "code", ""), [sorted(map(str, at(c).values())) for c in combos])
         if marker is not None and marker.exists():
-            self.precompiled["skipped"] = "compiled by an earlier process (Triton's disk cache has them)"
+            self.precompiled = dict(done, skipped="compiled by an earlier process (Triton's disk cache has them)")
             return
+        if not every_bucket:
+            combos = [None]  # this call's bucket: the padded arguments themselves
         failures = 0
         with precompile.compile_only() as stats:
             for combo in combos:
                 try:
-                    self.fn(*self._args_at(args, at(combo)))
+                    self.fn(*(self._padded_args(args, real, target) if combo is None else self._args_at(args, at(combo))))
                 except Exception as e:  # noqa: BLE001 - a dry run only saves time; the real call reports errors
                     failures += 1
-                    self.precompiled.setdefault("error", f"sizes {combo}: "
-                                                         f"{type(e).__name__}: {str(e)[:200]}")
-        self.precompiled.update(stats, buckets=len(combos) - failures, failed_buckets=failures)
+                    done.setdefault("error", f"sizes {combo}: {type(e).__name__}: {str(e)[:200]}")
+        done.update(stats, buckets=len(combos) - failures, failed_buckets=failures)
+        if not every_bucket:
+            self.precompiled_first = done
+            return
+        self.precompiled = done
         if not stats["failed"] and not failures:
             precompile.mark(marker)
 

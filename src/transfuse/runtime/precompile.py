@@ -5,8 +5,8 @@ tiles per row regime, ...). Compiled one by one as each bucket first comes, they
 start: ~40 compiles, 1-2 s each once a new bucket came (bench/results/*triton-variants-cold-stream*).
 Compiles run in parallel threads (bench/kernels/compile_parallel.py; see compile_only for how much).
 
-So when a bucketed runner is about to capture its second bucket (the first call compiles only what
-it needs: a model served at one shape pays nothing more), it dry-runs its graph once per bucket it
+So when a bucketed runner is about to capture its second bucket (the first capture compiles only its
+own bucket's kernels, in the same way: a model served at one shape pays nothing more), it dry-runs its graph once per bucket it
 may meet, in `compile_only()`: every Triton launch becomes Triton's own compile-without-launch
 (`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode); autotuned kernels queue every
 config they would time; the GEMM dispatcher queues its Triton candidates and times nothing. Outputs
