@@ -310,3 +310,20 @@ def test_vision_batch_padded_and_clip_eos_pooling_refused():
     assert {key for key in runner.stats} == {(2,), (4,)}
     text = transfuse.report(clip)
     assert "argmax" in text and "reduces over a padded dimension" in text
+
+
+def test_keyword_arguments_of_a_contraction_are_read():
+    """BLOOM's ALiBi: `alibi.baddbmm(batch1=q, batch2=k, ...)` passes its operands by keyword; the
+    padding analysis read positions only and crashed the compile."""
+
+    class Scores(torch.nn.Module):
+        def forward(self, bias, a, b):
+            return bias.baddbmm(batch1=a, batch2=b, beta=1.0, alpha=0.5)
+
+    model = Scores()
+    transfuse.optimize(model)
+    for n in (5, 9):
+        x = (torch.randn(2, n, n), torch.randn(2, n, 3), torch.randn(2, 3, n))
+        with torch.no_grad():
+            assert rel_err(model(*x), Scores()(*x)) < 1e-6
+    assert "contracts over a padded dimension" in transfuse.report(model)

@@ -87,22 +87,29 @@ def test_dry_runs_cover_every_bucket_and_leave_calls_exact(monkeypatch):
         assert rel_err(out, ref) < 1e-5
 
 
-def test_large_buckets_are_not_dry_run(monkeypatch):
+def _runner_and_call(shape: tuple[int, int]):
+    """A tiny BERT optimized and called twice at `shape` (no mask): its runner, and the graph
+    arguments, real sizes and bucket sizes of the second call."""
     model = BERT.build("sdpa")
     transfuse.optimize(model)
-    calls = []
     with torch.no_grad():
-        model(input_ids=torch.randint(3, 50, (2, 9)))
+        model(input_ids=torch.randint(3, 50, shape))
     (runner,) = [r for b in model._transfuse_state.backends for r in b.runners]
+    calls = []
     fn = runner.fn
     runner.fn = lambda *a: (calls.append(a), fn(*a))[1]
     with torch.no_grad():
-        model(input_ids=torch.randint(3, 50, (2, 9)))
+        model(input_ids=torch.randint(3, 50, shape))
     runner.fn = fn
     real = runner._real_sizes(calls[-1])
+    return runner, calls[-1], real, runner._targets(real)
+
+
+def test_large_buckets_are_not_dry_run(monkeypatch):
+    runner, args, real, target = _runner_and_call((2, 9))
     monkeypatch.setattr(precompile, "MAX_ROWS", 64)
     shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    runner._precompile(calls[-1], real, runner._targets(real), every_bucket=True)
+    runner._precompile(args, real, target, every_bucket=True)
     # Powers of two from each size's lower bound (a size Dynamo traces apart, e.g. 1, is not this
     # graph's), batch up to the cap of 64 and sequence up to the 64 positions, 64 rows at most.
     lower = {runner.plan.names[s]: runner.plan.lower[s] for s in runner.symbols}
@@ -113,20 +120,9 @@ def test_large_buckets_are_not_dry_run(monkeypatch):
 
 
 def test_first_bucket_dry_runs_itself_only(monkeypatch):
-    model = BERT.build("sdpa")
-    transfuse.optimize(model)
-    calls = []
-    with torch.no_grad():
-        model(input_ids=torch.randint(3, 50, (3, 9)))
-    (runner,) = [r for b in model._transfuse_state.backends for r in b.runners]
-    fn = runner.fn
-    runner.fn = lambda *a: (calls.append(a), fn(*a))[1]
-    with torch.no_grad():
-        model(input_ids=torch.randint(3, 50, (3, 9)))
-    runner.fn = fn
-    real = runner._real_sizes(calls[-1])
+    runner, args, real, target = _runner_and_call((3, 9))
     shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    runner._precompile(calls[-1], real, runner._targets(real), every_bucket=False)
+    runner._precompile(args, real, target, every_bucket=False)
     assert shapes == [(4, 16)]  # the call's own bucket
     assert runner.precompiled is None and runner.precompiled_first["buckets"] == 1
 

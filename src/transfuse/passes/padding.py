@@ -107,7 +107,11 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
     analysis = _Analysis(symbols, refused)
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
-            analysis.visit(node)
+            try:
+                analysis.visit(node)
+            except Exception as e:  # noqa: BLE001 - a call form this analysis does not know: pad nothing
+                for s in symbols:
+                    refused.setdefault(s, f"'{node.name}' could not be analysed ({type(e).__name__}: {e})")
     output = next(iter(gm.graph.find_nodes(op="output")))
     output_dims = [analysis.output_slices(o) for o in _flat_outputs(output.args[0])]
 
@@ -123,6 +127,16 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
     )
     _add_key_lengths(gm, plan, analysis.attention_keys)
     return plan
+
+
+def _arg(node: fx.Node, index: int, *names: str):
+    """The call's argument at `index`, or passed by one of its keyword names."""
+    if len(node.args) > index:
+        return node.args[index]
+    for name in names:
+        if name in node.kwargs:
+            return node.kwargs[name]
+    raise ValueError(f"{_name(node)} without argument {index} ({'/'.join(names)})")
 
 
 def _readable(placeholder: str) -> str:
@@ -293,11 +307,11 @@ class _Analysis:
             count = len(shape) if isinstance(shape, (list, tuple)) and name != "group_norm" else len(_dims(value(node.args[0])))
             self.refuse(set().union(*(self.dim_syms(node.args[0], -1 - i) for i in range(count))), node,
                         "normalises over a padded dimension")
-        elif name in ("addmm", "baddbmm", "addbmm"):  # bias + a @ b (GPT-2's Conv1D)
-            a, b = node.args[1], node.args[2]
+        elif name in ("addmm", "baddbmm", "addbmm"):  # bias + a @ b (GPT-2's Conv1D; BLOOM's ALiBi by keyword)
+            a, b = _arg(node, 1, "mat1", "batch1"), _arg(node, 2, "mat2", "batch2")
             self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2), node, "contracts over a padded dimension")
         elif name in ("matmul", "bmm", "mm"):
-            a, b = node.args[0], node.args[1]
+            a, b = _arg(node, 0, "input"), _arg(node, 1, "other", "mat2")
             self.refuse(self.dim_syms(a, -1) | self.dim_syms(b, -2 if len(_dims(value(b))) > 1 else 0), node, "contracts over a padded dimension")
         elif name == "transfuse.attention":
             self._attention(node)

@@ -115,6 +115,17 @@ class PaddedRunner(GraphCache):
             buffer.fill_(real[s])  # an asynchronous fill: no host synchronisation
 
     def _padded_args(self, args, real: dict, target: dict) -> list:
+        def pad(a, shape):
+            buf = a.new_zeros(shape)
+            if not a.is_floating_point() and a.numel():
+                buf.copy_(_first_value(a).expand(shape))  # integer inputs may be indices (token ids)
+            buf[self._corner(a.shape)].copy_(a)
+            return buf
+
+        return self._resized(args, target, pad)
+
+    def _resized(self, args, target: dict, make) -> list:
+        """args with every symbol at its target size; make(tensor, shape) builds a resized input."""
         out = list(args)
         for i, s in self.plan.sym_args.items():
             out[i] = target[s]
@@ -124,12 +135,7 @@ class PaddedRunner(GraphCache):
             for d, s in dims:
                 shape[d] = target[s]
             if shape != list(a.shape):
-                buf = a.new_zeros(shape)
-                if not a.is_floating_point() and a.numel():
-                    # Integer inputs may be indices (token ids): pad with a value the input has.
-                    buf.copy_(a.reshape(-1)[:1].reshape([1] * a.dim()).expand(shape))
-                buf[self._corner(a.shape)].copy_(a)
-                out[i] = buf
+                out[i] = make(a, shape)
         return out
 
     @staticmethod
@@ -242,20 +248,9 @@ class PaddedRunner(GraphCache):
             precompile.mark(marker)
 
     def _args_at(self, args, target: dict) -> list:
-        """The call's arguments resized to `target` (a dry run's: values never matter, only shapes)."""
-        out = list(args)
-        for i, s in self.plan.sym_args.items():
-            out[i] = target[s]
-        for i, dims in self._dims_of_input.items():
-            a = args[i]
-            shape = list(a.shape)
-            for d, s in dims:
-                shape[d] = target[s]
-            if shape != list(a.shape):
-                # Integer inputs may be indices (token ids): filled with a value the input has.
-                first = a.reshape(-1)[:1].reshape([1] * a.dim()) if a.numel() else a.new_zeros([1] * a.dim())
-                out[i] = first.expand(shape).contiguous()
-        return out
+        """The call's arguments resized to `target` (a dry run's: values never matter, only shapes;
+        integer inputs may be indices, so they hold a value the input has)."""
+        return self._resized(args, target, lambda a, shape: _first_value(a).expand(shape).contiguous())
 
     def _fill(self, captured: _Captured, args, real: dict) -> None:
         for i, buf in captured.inputs:
@@ -272,3 +267,8 @@ class PaddedRunner(GraphCache):
             overhead = st.padded / st.real - 1 if st.real else 0.0
             lines.append(f"{sizes}: {st.calls} call(s), padding +{overhead:.0%}")
         return lines
+
+
+def _first_value(a: torch.Tensor) -> torch.Tensor:
+    """a's first element (zero when a is empty), shaped to broadcast over a tensor of a's rank."""
+    return a.reshape(-1)[:1].reshape([1] * a.dim()) if a.numel() else a.new_zeros([1] * a.dim())

@@ -58,6 +58,7 @@ class StaticCacheReuse:
         self.caches: collections.OrderedDict = collections.OrderedDict()
         self.reused = 0
         self.created = 0
+        self.probed: tuple | str | None = None  # see probe()
 
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
@@ -80,7 +81,7 @@ class StaticCacheReuse:
             # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
             # a trace of its own (Dynamo guards on the layers' is_initialized).
             # (Not an encoder-decoder's: its head dim need not be hidden / heads, as T5 v1.1 shows.)
-            shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)() if cross is None else None
+            shape = self.kv_shape() if cross is None else None
             if shape is not None and hasattr(cache, "early_initialization"):
                 cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
                                            dtype=self.model.dtype, device=self.model.device)
@@ -93,6 +94,40 @@ class StaticCacheReuse:
             self.caches.popitem(last=False)
         self.created += 1
         return cache
+
+    def probe(self) -> str | None:
+        """Runs the model as written (no transfuse) on two tokens with Hugging Face's own static cache,
+        once: the heads and head dim each layer really writes (a config can say otherwise: Falcon's
+        multi-query attention keeps one KV head where `_get_static_cache_init_shape` counts
+        num_kv_heads), or why the model's forward refuses a static cache (Falcon with ALiBi reads the
+        4-D mask a static cache brings as a 2-D one; Hugging Face's own static cache fails the same
+        way). Returns that reason, or None when the static cache works."""
+        if self.probed is None:
+            forward = getattr(self.model.forward, "__wrapped__", self.model.forward)
+            device = self.model.device
+            try:
+                with torch.no_grad():
+                    cache = self.prepare(STATIC, 1, 8, None, {})
+                    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+                    # The inputs generate() would give the first forward (a static cache turns the
+                    # 2-D mask into a 4-D one of the cache's length here).
+                    inputs = self.model.prepare_inputs_for_generation(
+                        ids, past_key_values=cache, attention_mask=torch.ones_like(ids), use_cache=True,
+                        cache_position=torch.arange(2, device=device), is_first_iteration=True)
+                    forward(**inputs)
+                part = getattr(cache, "self_attention_cache", cache)
+                self.probed = _layer_shapes(part) or ()
+            except Exception as e:  # noqa: BLE001 - the model's own error: it keeps Hugging Face's default cache
+                first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+                self.probed = f"its forward fails with a static cache ({type(e).__name__}: {first})"
+        return self.probed if isinstance(self.probed, str) else None
+
+    def kv_shape(self):
+        """(heads, head dim) to allocate a decoder's new cache with: per layer as the probe saw them,
+        else the config's guess."""
+        if self.probed:
+            return self.probed
+        return getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
 
     def _initialize_like_kept(self, cache, batch_size: int) -> None:
         """An encoder-decoder's new cache allocated now, with the heads and head dims of one that an
@@ -115,17 +150,22 @@ class StaticCacheReuse:
                                       dtype=self.model.dtype, device=self.model.device)
 
     def describe(self) -> str:
+        if isinstance(self.probed, str):
+            return f"Hugging Face's default cache ({self.probed})"
         sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
                           for (b, _, _, c), (_, n) in self.caches.items())
         return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
 
 
 def _layer_shapes(part):
-    """(heads per layer, head dim per layer) of a static cache whose layers are all initialized,
-    else None."""
+    """(heads per layer, head dim per layer) of a static cache whose layers are all initialized with
+    keys and values of one shape, else None."""
     layers = list(getattr(part, "layers", None) or ())
+    # Early initialization gives keys and values one shape: not for attention whose values differ
+    # (multi-head latent attention's head dims).
     if not layers or not all(getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
-                             and layer.keys.dim() == 4 for layer in layers):
+                             and layer.keys.dim() == 4 and getattr(layer, "values", None) is not None
+                             and layer.values.shape == layer.keys.shape for layer in layers):
         return None
     return [layer.keys.shape[1] for layer in layers], [layer.keys.shape[-1] for layer in layers]
 
@@ -162,7 +202,7 @@ def install(model: torch.nn.Module, state) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if _user_named_no_cache(model, args, kwargs):
+        if _user_named_no_cache(model, args, kwargs) and (model.config.is_encoder_decoder or reuse.probe() is None):
             kwargs["cache_implementation"] = STATIC
         return original(*args, **kwargs)
 
