@@ -73,7 +73,7 @@ def test_dry_runs_cover_every_bucket_and_leave_calls_exact(monkeypatch):
     real = runner._real_sizes(args)
     target = runner._targets(real)
     shapes = _record_dry_runs(monkeypatch, runner, run=False)  # the interpreter would run them: minutes
-    runner._precompile(args, real, target, every_bucket=True)
+    runner._precompile(args, runner._padded_args(args, real, target), target, every_bucket=True)
     assert runner.precompiled["buckets"] == len(shapes) and not runner.precompiled["skipped"]
     assert sorted(shapes) == [(b, s) for b in (4, 16) for s in (4, 16)]
     rng = random.Random(0)
@@ -109,7 +109,7 @@ def test_large_buckets_are_not_dry_run(monkeypatch):
     runner, args, real, target = _runner_and_call((2, 9))
     monkeypatch.setattr(precompile, "MAX_ROWS", 64)
     shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    runner._precompile(args, real, target, every_bucket=True)
+    runner._precompile(args, runner._padded_args(args, real, target), target, every_bucket=True)
     # Powers of two from each size's lower bound (a size Dynamo traces apart, e.g. 1, is not this
     # graph's), batch up to the cap of 64 and sequence up to the 64 positions, 64 rows at most.
     lower = {runner.plan.names[s]: runner.plan.lower[s] for s in runner.symbols}
@@ -122,7 +122,7 @@ def test_large_buckets_are_not_dry_run(monkeypatch):
 def test_first_bucket_dry_runs_itself_only(monkeypatch):
     runner, args, real, target = _runner_and_call((3, 9))
     shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    runner._precompile(args, real, target, every_bucket=False)
+    runner._precompile(args, runner._padded_args(args, real, target), target, every_bucket=False)
     assert shapes == [(4, 16)]  # the call's own bucket
     assert runner.precompiled is None and runner.precompiled_first["buckets"] == 1
 

@@ -94,13 +94,10 @@ class PaddedRunner(GraphCache):
         """Bucket sizes per symbol. Symbols of equal value in this call are padded alike (an
         attention_mask's length and input_ids' are two symbols that the model expects equal): if
         one of them may not be padded, none is; otherwise they share the smallest bucket."""
-        groups: dict = collections.defaultdict(list)
-        for s, n in real.items():
-            groups[n].append(s)
         target = {}
-        for n, symbols in groups.items():
+        for n, (symbols, paddable) in self._equal_groups(real).items():
             size = n
-            if all(s in self.plan.paddable for s in symbols):
+            if paddable:
                 buckets = [self.policy(n, self.plan.upper.get(s)) for s in symbols]
                 if any(b is None for b in buckets):
                     return None
@@ -108,6 +105,13 @@ class PaddedRunner(GraphCache):
             for s in symbols:
                 target[s] = size
         return target
+
+    def _equal_groups(self, real: dict) -> dict:
+        """value -> (the symbols of that value in this call, whether all of them may be padded)."""
+        groups: dict = collections.defaultdict(list)
+        for s, n in real.items():
+            groups[n].append(s)
+        return {n: (symbols, all(s in self.plan.paddable for s in symbols)) for n, symbols in groups.items()}
 
     # ---- arguments
     def _set_key_lens(self, real: dict) -> None:
@@ -187,27 +191,25 @@ class PaddedRunner(GraphCache):
             if self._has_exact_sizes and key not in self.graphs and self.run_without_graph(key):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
-            if self.precompiled is None:  # the first bucket's kernels, then at the second every bucket's
-                self._precompile(args, real, target, every_bucket=bool(self.graphs))
             padded = self._padded_args(args, real, target)
+            if self.precompiled is None:  # the first bucket's kernels, then at the second every bucket's
+                self._precompile(args, padded, target, every_bucket=bool(self.graphs))
             captured = self.store(key, _Captured(self.fn, padded, self.static_indices, self.pool))
         self._fill(captured, args, real)
         captured.graph.replay()
         return self._slice_outputs(captured.outputs, real, target, clone=True)
 
     # ---- precompile (runtime/precompile.py)
-    def _precompile(self, args, real: dict, target: dict, every_bucket: bool) -> None:
+    def _precompile(self, args, padded: list, target: dict, every_bucket: bool) -> None:
         """Dry-runs the graph at every bucket it may meet (every_bucket) or at this call's bucket
-        only (the first capture: a model served at one shape compiles nothing more), its Triton
-        kernels compiled in parallel."""
+        only, `padded` (the first capture: a model served at one shape compiles nothing more), its
+        Triton kernels compiled in parallel."""
         done = {"buckets": 0, "compiles": 0, "failed": 0, "seconds": 0.0, "skipped": ""}
         if not precompile.enabled():
             self.precompiled = dict(done, skipped=f"{precompile.ENV}=0")
             return
-        groups: dict = collections.defaultdict(list)  # symbols of one value are padded alike (_targets)
-        for s, n in real.items():
-            groups[n].append(s)
-        bucketed = [symbols for symbols in groups.values() if all(s in self.plan.paddable for s in symbols)]
+        # Symbols of one value are padded alike (_targets): one size per group.
+        bucketed = [symbols for symbols, paddable in self._equal_groups(self._real_sizes(args)).values() if paddable]
         sizes = []
         for symbols in bucketed:
             uppers = [self.plan.upper[s] for s in symbols if self.plan.upper.get(s) is not None]
@@ -225,7 +227,8 @@ class PaddedRunner(GraphCache):
         rows = lambda combo: math.prod(at(combo)[s] for s in rows_dims)  # noqa: E731
         combos = precompile.grid(sizes, rows, max(precompile.MAX_ROWS, math.prod(target[s] for s in rows_dims)))
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        marker = precompile.marker(device, getattr(self.fn, "code", ""), [sorted(map(str, at(c).values())) for c in combos])
+        marker = precompile.marker(device, getattr(self.fn, "code", ""),
+                                   [sorted(map(str, at(c).values())) for c in combos])
         if marker is not None and marker.exists():
             self.precompiled = dict(done, skipped="compiled by an earlier process (Triton's disk cache has them)")
             return
@@ -235,7 +238,7 @@ class PaddedRunner(GraphCache):
         with precompile.compile_only() as stats:
             for combo in combos:
                 try:
-                    self.fn(*(self._padded_args(args, real, target) if combo is None else self._args_at(args, at(combo))))
+                    self.fn(*(padded if combo is None else self._args_at(args, at(combo))))
                 except Exception as e:  # noqa: BLE001 - a dry run only saves time; the real call reports errors
                     failures += 1
                     done.setdefault("error", f"sizes {combo}: {type(e).__name__}: {str(e)[:200]}")

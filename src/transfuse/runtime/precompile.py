@@ -6,12 +6,13 @@ start: ~40 compiles, 1-2 s each once a new bucket came (bench/results/*triton-va
 Compiles run in parallel threads (bench/kernels/compile_parallel.py; see compile_only for how much).
 
 So when a bucketed runner is about to capture its second bucket (the first capture compiles only its
-own bucket's kernels, in the same way: a model served at one shape pays nothing more), it dry-runs its graph once per bucket it
-may meet, in `compile_only()`: every Triton launch becomes Triton's own compile-without-launch
-(`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode); autotuned kernels queue every
-config they would time; the GEMM dispatcher queues its Triton candidates and times nothing. Outputs
-of a dry run are never read (kernels do not run; their outputs hold whatever memory held). The block
-waits for every compile; later launches find their binaries in Triton's in-memory cache.
+own bucket's kernels, in the same way: a model served at one shape pays nothing more), it dry-runs
+its graph once per bucket it may meet, in `compile_only()`: every Triton launch becomes Triton's own
+compile-without-launch (`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode);
+autotuned kernels queue every config they would time; the GEMM dispatcher queues its Triton
+candidates and times nothing. Outputs of a dry run are never read (kernels do not run; their outputs
+hold whatever memory held). The block waits for every compile; later launches find their binaries in
+Triton's in-memory cache.
 
 A marker on disk (keyed by GPU, versions, kernel sources, Triton's cache directory, the graph and its
 buckets) says that an earlier process compiled the same set: then nothing is dry-run and the first
@@ -21,7 +22,6 @@ launches read Triton's disk cache as before. TRANSFUSE_PRECOMPILE=0 turns this o
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import os
 import time
@@ -38,17 +38,10 @@ ENV = "TRANSFUSE_PRECOMPILE"
 # triggers the precompile is itself that large. Above a few thousand rows the GEMMs are cuBLAS's and
 # the sequence regimes of attention are already met at batch 1.
 MAX_ROWS = 2048
-_ACTIVE = COMPILE_ONLY
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0"
-
-
-def active() -> bool:
-    """Whether launches are being turned into compiles (ops with choices of their own, like the
-    GEMM dispatcher, queue their candidates and time nothing)."""
-    return _ACTIVE.get()
 
 
 @contextlib.contextmanager
@@ -71,13 +64,13 @@ def compile_only(workers: int | None = None):
     touched: dict = {}
 
     def run(self, *args, grid, warmup, **kwargs):
-        if _ACTIVE.get():
+        if COMPILE_ONLY.get():
             touched[id(self)] = self
             warmup = True
         return jit_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     def tune(self, *args, **kwargs):
-        if not _ACTIVE.get():
+        if not COMPILE_ONLY.get():
             return tune_run(self, *args, **kwargs)
         # Every config the autotuner would time, compiled; none timed or chosen here (timing no-ops
         # would cache a meaningless choice). Pre-hooks (zeroing for split-K) are not run: nothing runs.
@@ -91,19 +84,18 @@ def compile_only(workers: int | None = None):
     threads = _ThreadCompiles(workers)
     try:
         with threads:
-            token = _ACTIVE.set(True)
+            token = COMPILE_ONLY.set(True)
             JITFunction.run, Autotuner.run = run, tune
             try:
                 yield stats
             finally:
-                _ACTIVE.reset(token)
+                COMPILE_ONLY.reset(token)
                 JITFunction.run, Autotuner.run = jit_run, tune_run
                 stats["dry_run_seconds"] = time.perf_counter() - start
         _forget(touched.values(), threads.failed_kernels)
         stats.update(compiles=threads.compiles, failed=threads.failed,
                      how=f"{workers} threads" if threads.mode is not None else "series (no AsyncCompileMode)")
     finally:
-        JITFunction.run, Autotuner.run = jit_run, tune_run
         stats["seconds"] = time.perf_counter() - start
 
 
@@ -184,27 +176,16 @@ def grid(groups: list[list[int]], rows_of, max_rows: int) -> list[tuple]:
     return [combo for combo in itertools.product(*groups) if rows_of(combo) <= max_rows]
 
 
-def _marker_dir() -> Path:
-    from transfuse.runtime.tuning_cache import cache_dir
-
-    return cache_dir() / "precompiled"
-
-
 def marker(device: torch.device, graph_code: str, keys: list) -> Path | None:
     """The file whose presence says this graph's buckets were compiled into this Triton cache."""
     if device.type != "cuda":
         return None
-    import triton
-
     from transfuse import kernels
+    from transfuse.runtime.tuning_cache import cache_dir, identity
 
-    props = torch.cuda.get_device_properties(device)
     triton_dir = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
     sources = sorted(Path(kernels.__file__).parent.glob("*.py"))
-    ident = "|".join([props.name, f"{props.major}.{props.minor}", torch.__version__, triton.__version__,
-                      str(torch.version.cuda), triton_dir, graph_code, repr(keys)]
-                     + [p.read_text() for p in sources])
-    return _marker_dir() / hashlib.sha256(ident.encode()).hexdigest()[:24]
+    return cache_dir() / "precompiled" / identity(device, sources, triton_dir, graph_code, repr(keys))[:24]
 
 
 def mark(path: Path | None) -> None:

@@ -21,11 +21,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRANSFUSE_CACHE_DIR") or Path.home() / ".cache" / "transfuse")
 
 
-def cache_file(name: str, device: torch.device, sources: list[str]) -> Path:
+def identity(device: torch.device, sources: list, *extra: str) -> str:
+    """A hash of what a cached decision depends on: the GPU, the versions, the kernel sources (and
+    `extra`): another GPU or a changed kernel never reads another's entry."""
     props = torch.cuda.get_device_properties(device)
     ident = "|".join([props.name, f"{props.major}.{props.minor}", torch.__version__, triton.__version__,
-                      str(torch.version.cuda)] + [Path(s).read_text() for s in sources])
-    return cache_dir() / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+                      str(torch.version.cuda), *extra] + [Path(s).read_text() for s in sources])
+    return hashlib.sha256(ident.encode()).hexdigest()
+
+
+def cache_file(name: str, device: torch.device, sources: list[str]) -> Path:
+    return cache_dir() / f"{name}-{identity(device, sources)[:16]}.json"
 
 
 def load(path: Path) -> dict:
