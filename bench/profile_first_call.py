@@ -1,6 +1,6 @@
 """Where the first call's seconds go: cProfile of one transfuse call in a fresh process.
 
-    PYTHONPATH=src python3 bench/profile_first_call.py [batch seq]   (run twice: cold, then warm caches)
+    PYTHONPATH=src python3 bench/profile_first_call.py [batch seq [all|pattern]]   (run twice: cold, then warm caches)
 """
 
 import cProfile
@@ -27,6 +27,10 @@ with torch.inference_mode():
 torch.cuda.synchronize()
 print(f"first call {time.perf_counter() - start:.2f} s")
 stats = pstats.Stats(profile).sort_stats("cumulative")
+if len(sys.argv) > 3 and sys.argv[3] == "all":  # the whole picture: top cumulative, then top own time
+    stats.print_stats(70)
+    stats.sort_stats("tottime").print_stats(40)
+    sys.exit(0)
 pattern = sys.argv[3] if len(sys.argv) > 3 else (
     r"convert_frame.py.*\((_compile|compile_inner|_fullgraph_capture_frame)\)|backend.py.*(__call__|compiled)"
     r"|cuda_graphs.py|buckets.py.*(__call__|_capture)|ops/gemm.py.*(_measure|_choose|_disk_path)"

@@ -87,6 +87,32 @@ def test_decode_loop_graphs_match_hf_loop():
     assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_generate_equals_eager(family):
+    """A sliding window shorter than the generation, on generate()'s default static cache (its
+    windowed layers given the full length, the window kept by Hugging Face's mask): eager's tokens
+    over two calls with left padding, and no trace per decode step. (Written without a GPU run: the
+    next session with a device runs it.)"""
+    torch.manual_seed(0)
+    common = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=688, vocab_size=1000, max_position_embeddings=512, sliding_window=16)
+    if family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=32, **common))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    model = model.cuda().float().eval()
+    opt = transfuse.optimize(copy.deepcopy(model))
+    ids = torch.randint(0, 1000, (2, 21), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        for new in (40, 24):
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+            out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+            assert torch.equal(out, ref), new
+    assert sum(len(b.records) for b in opt._transfuse_state.backends) <= 3, transfuse.report(opt)
+
+
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_encoder_decoder_decode_loop_graphs_match_eager(family):
     """T5/BART on the GPU: the decode loop's steps replayed as CUDA graphs (cross-attention K/V read

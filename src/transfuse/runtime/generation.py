@@ -59,6 +59,7 @@ class StaticCacheReuse:
         self.reused = 0
         self.created = 0
         self.probed: tuple | str | None = None  # see probe()
+        self.windowed = 0  # sliding-window (or chunked) layers given a full-length cache, per cache
 
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
@@ -78,6 +79,7 @@ class StaticCacheReuse:
         # Normal tensors even under torch.inference_mode(): a later call outside it resets them in place.
         with torch.inference_mode(False):
             cache = self.prepare(cache_implementation, batch_size, length, prefill_chunk_size, model_kwargs)
+            self.windowed = _full_length_windows(cache, length) or self.windowed
             # Allocated now, not inside the first forward: a prompt that meets an empty cache would be
             # a trace of its own (Dynamo guards on the layers' is_initialized).
             # (Not an encoder-decoder's: its head dim need not be hidden / heads, as T5 v1.1 shows.)
@@ -154,7 +156,37 @@ class StaticCacheReuse:
             return f"Hugging Face's default cache ({self.probed})"
         sizes = ", ".join(f"batch {b} x {n} positions" + (f" (encoder {c})" if c is not None else "")
                           for (b, _, _, c), (_, n) in self.caches.items())
-        return f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
+        windows = (f"; its {self.windowed} sliding-window layer(s) keep every position, the window is the mask's"
+                   if self.windowed else "")
+        return (f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
+                + windows)
+
+
+def _full_length_windows(cache, length: int) -> int:
+    """Gives the sliding-window (and chunked-attention) layers of a new static cache the full length,
+    as the other layers have; returns how many. Hugging Face's windowed static layer counts its
+    tokens in a Python int and branches on it (full or not), and Dynamo specialises on that int: every
+    decode step was a trace of its own until max_traces handed the model back to eager (Mistral,
+    Gemma2, Phi-3 with its 2,047-token window). A full-length layer keeps its length in a tensor. The
+    window stays exact: Hugging Face's masks for those layers are built from absolute positions
+    (create_sliding_window_causal_mask over the cache's length, offset 0), so the keys outside the
+    window are masked, not dropped, and the attention kernel skips the fully masked blocks. Costs
+    memory only where the window is shorter than the cache (the layer keeps `length` positions, as
+    every full-attention layer of the model already does)."""
+    from transformers.cache_utils import StaticLayer
+
+    parts = [getattr(cache, "self_attention_cache", None)]
+    replaced = 0
+    for part in [p for p in parts if p is not None] or [cache]:
+        layers = getattr(part, "layers", None)
+        if not isinstance(layers, list):
+            continue
+        for i, layer in enumerate(layers):
+            if (isinstance(layer, StaticLayer) and getattr(layer, "is_sliding", False)
+                    and not getattr(layer, "is_initialized", True)):
+                layers[i] = StaticLayer(max_cache_len=length)
+                replaced += 1
+    return replaced
 
 
 def _layer_shapes(part):
