@@ -33,11 +33,12 @@ FAMILIES = {
              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 2}),
 }
 # family -> the cache and rotary matches of a decode step's trace (generate() on the default static
-# cache). Mistral's sliding-window cache retraces every step with no static write; Phi-3 concatenates
-# its (here empty) pass-through half onto the rotated keys, so no rotary_pair output reaches the write.
+# cache). Mistral's sliding-window layers get a full-length static layer (runtime/generation.py), so
+# its step writes the cache as Llama's does; Phi-3 concatenates its (here empty) pass-through half
+# onto the rotated keys, so no rotary_pair output reaches the write.
 _CACHE = ("RotaryPair", "KVCacheWrite", "RotaryCacheWrite", "CacheLengths")
 DECODE_GOLDEN = {
-    "gpt2": (0, 2, 0, 2), "llama": (2, 2, 2, 2), "mistral": (2, 0, 0, 0), "qwen2": (2, 2, 2, 2), "gemma": (2, 2, 2, 2),
+    "gpt2": (0, 2, 0, 2), "llama": (2, 2, 2, 2), "mistral": (2, 2, 2, 2), "qwen2": (2, 2, 2, 2), "gemma": (2, 2, 2, 2),
     "phi3": (2, 2, 0, 2),
 }
 
@@ -106,17 +107,46 @@ def test_nanogpt_hand_written_attention():
 
 
 def test_retrace_every_step_hands_the_model_back_to_eager():
-    """Mistral's sliding-window cache keeps a Python int position counter that Dynamo specialises
-    on, so every decode step is a new trace: past max_traces the model runs as it was, still right,
-    and the report names the guard."""
+    """Hugging Face's own sliding-window static cache (one the user passes) keeps a Python int
+    position counter that Dynamo specialises on, so every decode step is a new trace: past max_traces
+    the model runs as it was, still right, and the report names the guard."""
     model = _build("mistral")
     ids = torch.randint(3, 97, (2, 9))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
     with torch.no_grad():
-        ref = model.generate(ids, **kwargs)
+        ref = model.generate(ids, past_key_values=cache(), **kwargs)
         transfuse.optimize(model, max_traces=3)
-        out = model.generate(ids, **kwargs)
+        out = model.generate(ids, past_key_values=cache(), **kwargs)
     assert torch.equal(out, ref)
     assert sum(len(b.records) for b in model._transfuse_state.backends) == 4
     text = transfuse.report(model)
     assert "left to eager: traced 4 times" in text and "cumulative_length" in text
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_default_cache_traces_once(family):
+    """A sliding window shorter than prompt + new tokens, on generate()'s default static cache: eager's
+    tokens (left padding, two calls of other lengths), one trace for the prompt and one for every
+    decode step (Hugging Face's windowed static layer made a trace per step), the window kept by the
+    mask. Gemma2 alternates sliding and full layers."""
+    if family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**dict(LLAMA_LIKE, head_dim=16, sliding_window=4)))
+    else:
+        model = _build("mistral")
+    torch.manual_seed(0)
+    for p in model.parameters():  # spread logits: no near-ties between the first two candidates
+        torch.nn.init.normal_(p, std=0.3)
+    model.eval()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cases = [dict(max_new_tokens=6), dict(max_new_tokens=4)]
+    with torch.no_grad():
+        refs = [model.generate(ids, attention_mask=mask, do_sample=False, **c) for c in cases]
+        transfuse.optimize(model)
+        outs = [model.generate(ids, attention_mask=mask, do_sample=False, **c) for c in cases]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+    assert sum(len(b.records) for b in model._transfuse_state.backends) == 2
+    assert "sliding-window layer(s) keep every position" in transfuse.report(model)
