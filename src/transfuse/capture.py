@@ -10,7 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
-from transfuse.guards import ModuleWatch, drop_module_guards
+from transfuse.guards import ModuleWatch, module_guard_filter
 from transfuse.report import format_report
 from transfuse.runtime import encoder as _encoder
 from transfuse.runtime import generation as _generation
@@ -47,6 +47,7 @@ class _State:
         self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
         self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
         self.empty_calls = 0  # calls with an empty input tensor whose trace failed: they ran as written
+        self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -75,7 +76,7 @@ class _State:
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
             self.backends.append(self.backend)
         dynamic = None if self.backend.options.get("dynamic", True) else False
-        options = None if self.backend.options.get("module_guards") else {"guard_filter_fn": drop_module_guards}
+        options = None if self.backend.options.get("module_guards") else {"guard_filter_fn": self.guard_filter}
         compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic, options=options)
         # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
         # also make a head count symbolic when a second model of the same class has another one.
@@ -166,6 +167,7 @@ def optimize(
     backend = Backend(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
                       disable=tuple(disable), module_guards=module_guards, **options)
     state = _State(backend, original, None)
+    state.guard_filter = module_guard_filter(model)
     state.compile()
     watch = None if module_guards else ModuleWatch(model)
 

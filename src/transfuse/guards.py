@@ -3,8 +3,9 @@
 Dynamo guards the attributes, hooks, types and parameters of every submodule it traced through:
 about 3,000 checks for bert-base, 0.15-0.35 ms per call on the GPU machines' hosts (measured
 2026-11-22), more than the whole CUDA-graph replay at batch 1. `optimize()` drops those guards
-(`drop_module_guards`) and keeps the rest (input shapes and dtypes, globals, grad mode); in their
-place:
+(`module_guard_filter`; a frame after a graph break whose `self` is one of several layers keeps
+them, since another layer may run it) and keeps the rest (input shapes and dtypes,
+globals, grad mode); in their place:
 
 * `ModuleWatch` (here, per call, a few microseconds): a parameter, buffer or submodule registered on
   any module of the model (an assignment `module.weight = ...`, `register_buffer`, a swapped layer),
@@ -21,6 +22,7 @@ models that are changed that way while optimized.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from operator import attrgetter, itemgetter
 
@@ -33,9 +35,69 @@ _forward_hooks = attrgetter("_forward_hooks")
 _forward_pre_hooks = attrgetter("_forward_pre_hooks")
 
 
-def drop_module_guards(entries) -> list[bool]:
-    """Dynamo guard filter: keep every guard that is not about an nn.Module's own state."""
-    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
+def module_guard_filter(model: torch.nn.Module):
+    """Dynamo guard filter for `optimize(model)`: drops the guards on module state in the frames
+    that only one module runs, where ModuleWatch and the backend check that state instead.
+
+    A graph break inside a submodule (ProphetNet's position check, BART's fp16 guard) makes that
+    submodule's forward a frame of its own, and Dynamo reuses a frame's trace for every object its
+    guards accept: the same trace serves every layer. A layer's plain Python attributes are what
+    tell it from the others: a trace of layers[0] baked in `self.layer_idx == 0`, and without that
+    guard layers[1] ran it and wrote its keys into layer 0's cache (ProphetNet's generate(): layer
+    0's cache grew twice per step, layer 1's never). So a frame whose module has siblings of its
+    class in the model (or is no module of the model, or is not known) keeps the guards as Dynamo
+    wrote them, but for the hook dicts, which ModuleWatch checks on every module: layers that agree
+    on them share one trace (runtime/instances.py gives each its own weights), layers that differ
+    get a trace each. The model's own frames, and those of a module that is the only one of its
+    class (an encoder, a decoder), drop them as before, all but the one on the module's type."""
+    watched = weakref.ref(model)
+
+    def keep(entries) -> list[bool]:
+        model = watched()
+        modules = list(model.modules()) if model is not None else []
+        ids = {id(m) for m in modules}
+        classes = collections.Counter(map(type, modules))
+
+        def alone(root) -> bool:  # the only object that can be `root` in a later call of the frame
+            return root is model or (isinstance(root, torch.nn.Module) and id(root) in ids and classes[type(root)] == 1)
+
+        # The object at each guard's root (the frame's `self`, or another local or global) comes
+        # with the guard on the root itself (Dynamo's TYPE_MATCH on `self`, whose source wraps the
+        # local's and has its name).
+        values = {}
+        for entry in entries:
+            if entry.has_value:
+                values.setdefault(_name(entry.orig_guard.originating_source), entry.value)
+        result = []
+        for entry in entries:
+            if not entry.orig_guard.source.is_unspecialized_nn_module():
+                result.append(True)
+                continue
+            source = entry.orig_guard.originating_source
+            root_name = _name(_root(source))
+            root = values.get(root_name, _UNKNOWN)
+            if root is _UNKNOWN or not alone(root):
+                result.append(entry.guard_type != "EMPTY_NN_MODULE_HOOKS_DICT")
+            else:  # but its type: a method two classes inherit is one frame for both
+                result.append(entry.guard_type == "TYPE_MATCH" and _name(source) == root_name)
+        return result
+
+    return keep
+
+
+_UNKNOWN = object()
+
+
+def _root(source):
+    """The local or global a guard's source starts from (`self` for `self.layers[0].layer_idx`)."""
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    return source
+
+
+def _name(source) -> str:
+    name = source.name  # a property in torch 2.13, a method in earlier releases
+    return name() if callable(name) else name
 
 
 class ModuleWatch:
