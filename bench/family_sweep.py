@@ -1,0 +1,801 @@
+"""Correctness sweep of transfuse.optimize() over Hugging Face model families that no issue names.
+
+For each family (a tiny random config built from transformers' config class, fixed seed) and dtype:
+an fp32 eager reference, an eager copy in the dtype, and a deep copy of that through
+transfuse.optimize(); then these checks, one JSON line each in OUT/sweep.jsonl:
+
+  fwd13, fwd37  logits on a batch of 3 with padding (left for decoders, right for encoder inputs),
+                compared on the positions that are not padding: relative-norm error of transfuse and
+                of eager-in-the-dtype against the fp32 reference; pass if
+                err(transfuse) <= 2 * err(eager) + atol (atol 1e-3 for fp16/bf16, 1e-4 for fp32)
+  gen_b3, gen_b2  greedy generate(max_new_tokens=8) at two batch sizes (decoders, encoder-decoders):
+                tokens equal to eager-in-the-dtype's, except on a row whose first differing step had
+                an eager top-2 logit margin below a tie tolerance (such a row is counted, not failed)
+  params        the model's state_dict after every call equals the one saved before optimize()
+  report        transfuse.report(model) returns a string
+
+An exception in transfuse's model is a FAIL; one that eager in the same dtype raises too is a SKIP.
+
+  CPU (Triton's interpreter, tiny shapes, a few families at a time):
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/family_sweep.py --device cpu --dtypes fp32 \
+        --only gpt2,llama --out /tmp/sweep
+  GPU:
+    PYTHONPATH=src python3 bench/family_sweep.py --device cuda --dtypes fp16,bf16,fp32 --out $OUT
+
+Each (family, dtype) runs in a worker process (--jobs of them; 0 runs in this process), so that a
+hang or a crash costs one unit, not the sweep: a unit past --unit-timeout is killed and recorded as
+a FAIL, and --time-limit stops handing out new units. Kernels compiled for one family are reused by
+the next in the same worker (shapes are shared across families where the config allows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import selectors
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+VOCAB = 101
+PAD, BOS, EOS = 0, 1, 2
+IDS = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+SEQS = (13, 37)  # two shapes: the second is a new bucket / a second trace
+DECODER_SEQS = {13: 7, 37: 11}  # encoder-decoders: decoder length for each encoder length
+BATCH = 3
+NEW_TOKENS = 8
+ATOL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 1e-3}
+# A generated row whose first differing token had an eager top-2 margin below
+# max(TIE_FACTOR * the forward's max-abs logit difference, TIE_FLOOR) is a near-tie, not a failure.
+TIE_FACTOR = 4.0
+TIE_FLOOR = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 2e-2}
+DTYPES = ("fp32", "fp16", "bf16")
+PROTOCOL = "@@SWEEP "
+
+# ---------------------------------------------------------------------------------------------
+# Families, in the order of the brief. (name, kind, config class, model class, config, attention)
+# kind: "dec" (causal LM: generate), "enc" (masked LM, right padding), "s2s" (encoder-decoder).
+# attention None keeps the family's default; a name sets config._attn_implementation.
+# Head dims (hd) vary: 16, 32 and 80; GQA where the family has it; max positions 64.
+# ---------------------------------------------------------------------------------------------
+_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, max_position_embeddings=64, **IDS)  # hd 16, GQA 2:1
+
+FAMILIES = [
+    ("gpt2", "dec", "GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **IDS), None),
+    ("gpt2:eager", "dec", "GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **IDS), "eager"),
+    ("gpt_neo", "dec", "GPTNeoConfig", "GPTNeoForCausalLM",  # hd 32, a local layer with a window of 8
+     dict(hidden_size=64, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]], window_size=8,
+          intermediate_size=128, max_position_embeddings=64, **IDS), None),
+    ("gptj", "dec", "GPTJConfig", "GPTJForCausalLM",  # hd 32, rotary on 16 of them
+     dict(n_embd=128, n_layer=2, n_head=4, rotary_dim=16, n_positions=64, **IDS), None),
+    ("gpt_neox", "dec", "GPTNeoXConfig", "GPTNeoXForCausalLM",  # hd 16, rotary on a quarter (Pythia)
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, rotary_pct=0.25,
+          max_position_embeddings=64, **IDS), None),
+    ("opt", "dec", "OPTConfig", "OPTForCausalLM",  # hd 16
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
+          max_position_embeddings=64, **IDS), None),
+    ("bloom", "dec", "BloomConfig", "BloomForCausalLM",  # hd 32, ALiBi
+     dict(hidden_size=64, n_layer=2, n_head=2, **IDS), None),
+    ("falcon", "dec", "FalconConfig", "FalconForCausalLM",  # new decoder architecture: GQA, rotary, hd 16
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+          alibi=False, max_position_embeddings=64, **IDS), None),
+    ("falcon:alibi", "dec", "FalconConfig", "FalconForCausalLM",  # Falcon-RW: ALiBi, sequential, bias, hd 32
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, new_decoder_architecture=False, alibi=True,
+          multi_query=False, parallel_attn=False, bias=True, max_position_embeddings=64, **IDS), None),
+    ("falcon:mq", "dec", "FalconConfig", "FalconForCausalLM",  # Falcon-7B: multi-query, parallel attn, hd 32
+     dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False, alibi=False,
+          multi_query=True, parallel_attn=True, max_position_embeddings=64, **IDS), None),
+    ("llama", "dec", "LlamaConfig", "LlamaForCausalLM", _LLAMA, None),
+    ("llama:eager", "dec", "LlamaConfig", "LlamaForCausalLM", _LLAMA, "eager"),
+    ("mistral", "dec", "MistralConfig", "MistralForCausalLM", dict(_LLAMA, head_dim=32), None),  # hd 32 != hidden/heads
+    ("mixtral", "dec", "MixtralConfig", "MixtralForCausalLM",  # 4 experts, top 2
+     dict(_LLAMA, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2), None),
+    ("qwen2", "dec", "Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA, hidden_size=128, num_attention_heads=4), None),  # hd 32, QKV bias
+    ("qwen3", "dec", "Qwen3Config", "Qwen3ForCausalLM",  # hd 80, MQA, Q/K norms
+     dict(_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=80), None),
+    ("qwen3:eager", "dec", "Qwen3Config", "Qwen3ForCausalLM",
+     dict(_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=80), "eager"),
+    ("gemma", "dec", "GemmaConfig", "GemmaForCausalLM", dict(_LLAMA, num_key_value_heads=1, head_dim=32), None),  # MQA, GeGLU
+    ("gemma2", "dec", "Gemma2Config", "Gemma2ForCausalLM",  # soft-capping, sliding window 8 on layer 0
+     dict(_LLAMA, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("gemma3_text", "dec", "Gemma3TextConfig", "Gemma3ForCausalLM",  # Q/K norms, local/global rope
+     dict(_LLAMA, head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("phi", "dec", "PhiConfig", "PhiForCausalLM",  # Phi-2 geometry: hd 80, rotary on 32, parallel block
+     dict(hidden_size=160, num_hidden_layers=2, num_attention_heads=2, intermediate_size=192,
+          partial_rotary_factor=0.4, max_position_embeddings=64, **IDS), None),
+    ("phi3", "dec", "Phi3Config", "Phi3ForCausalLM", _LLAMA, None),  # fused qkv and gate_up
+    ("stablelm", "dec", "StableLmConfig", "StableLmForCausalLM",  # hd 32, QKV bias, rotary on a quarter
+     dict(_LLAMA, num_attention_heads=2, num_key_value_heads=2, use_qkv_bias=True, partial_rotary_factor=0.25), None),
+    ("starcoder2", "dec", "Starcoder2Config", "Starcoder2ForCausalLM", dict(_LLAMA, sliding_window=None), None),
+    ("gpt_bigcode", "dec", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",  # multi-query, hd 16
+     dict(n_embd=64, n_layer=2, n_head=4, multi_query=True, n_positions=64, **IDS), None),
+    ("codegen", "dec", "CodeGenConfig", "CodeGenForCausalLM",  # hd 32, rotary on 16, mp_num 4 split
+     dict(n_embd=128, n_layer=2, n_head=4, rotary_dim=16, n_positions=64, n_ctx=64, **IDS), None),
+    ("cohere", "dec", "CohereConfig", "CohereForCausalLM", dict(_LLAMA, logit_scale=0.5), None),  # parallel block, interleaved rope
+    ("olmo", "dec", "OlmoConfig", "OlmoForCausalLM",  # hd 32, clipped QKV, non-parametric norm
+     dict(_LLAMA, hidden_size=128, num_key_value_heads=4, clip_qkv=8.0), None),
+    ("olmo2", "dec", "Olmo2Config", "Olmo2ForCausalLM", _LLAMA, None),  # post-norms, Q/K norms
+    ("granite", "dec", "GraniteConfig", "GraniteForCausalLM",  # multipliers
+     dict(_LLAMA, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+          logits_scaling=8.0), None),
+    ("mpt", "dec", "MptConfig", "MptForCausalLM",  # hd 32, ALiBi
+     dict(d_model=128, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, **IDS), None),
+    ("smollm3", "dec", "SmolLM3Config", "SmolLM3ForCausalLM",  # layer 1 without rope
+     dict(_LLAMA, no_rope_layers=[1, 0], no_rope_layer_interval=2), None),
+    # encoders (masked-LM heads give logits), right padding
+    ("bert", "enc", "BertConfig", "BertForMaskedLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("bert:eager", "enc", "BertConfig", "BertForMaskedLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          vocab_size=VOCAB, pad_token_id=PAD), "eager"),
+    ("roberta", "enc", "RobertaConfig", "RobertaForMaskedLM",  # hd 32, positions counted past the pad id
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, max_position_embeddings=66,
+          vocab_size=VOCAB, pad_token_id=1, bos_token_id=0, eos_token_id=2), None),
+    ("distilbert", "enc", "DistilBertConfig", "DistilBertForMaskedLM",
+     dict(dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("albert", "enc", "AlbertConfig", "AlbertForMaskedLM",  # factorised embeddings, shared layer
+     dict(embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+          max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("electra", "enc", "ElectraConfig", "ElectraForMaskedLM",  # hd 32, embedding projection
+     dict(embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+          max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("deberta", "enc", "DebertaConfig", "DebertaForMaskedLM",  # disentangled relative attention
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          relative_attention=True, pos_att_type=["c2p", "p2c"], max_relative_positions=64, vocab_size=VOCAB,
+          pad_token_id=PAD), None),
+    ("deberta-v2", "enc", "DebertaV2Config", "DebertaV2ForMaskedLM",  # hd 32, log buckets, shared keys
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, max_position_embeddings=64,
+          relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=64,
+          share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, vocab_size=VOCAB,
+          pad_token_id=PAD), None),
+    ("xlm-roberta", "enc", "XLMRobertaConfig", "XLMRobertaForMaskedLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+          vocab_size=VOCAB, pad_token_id=1, bos_token_id=0, eos_token_id=2), None),
+    ("mpnet", "enc", "MPNetConfig", "MPNetForMaskedLM",  # relative position bias
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+          relative_attention_num_buckets=32, vocab_size=VOCAB, pad_token_id=1), None),
+    ("modernbert", "enc", "ModernBertConfig", "ModernBertForMaskedLM",  # hd 32, global + local (window 8) layers
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, max_position_embeddings=64,
+          layer_types=["full_attention", "sliding_attention"], local_attention=8, vocab_size=VOCAB, pad_token_id=PAD,
+          bos_token_id=BOS, eos_token_id=EOS, cls_token_id=BOS, sep_token_id=EOS), None),
+    ("mobilebert", "enc", "MobileBertConfig", "MobileBertForMaskedLM",  # bottlenecks, NoNorm, 2 FFNs a layer
+     dict(hidden_size=64, embedding_size=32, true_hidden_size=32, intra_bottleneck_size=32, num_hidden_layers=2,
+          num_attention_heads=2, intermediate_size=64, num_feedforward_networks=2, max_position_embeddings=64,
+          vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("camembert", "enc", "CamembertConfig", "CamembertForMaskedLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, max_position_embeddings=66,
+          vocab_size=VOCAB, pad_token_id=1, bos_token_id=0, eos_token_id=2), None),
+]
+_S2S_IDS = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, decoder_start_token_id=EOS)
+_T5 = dict(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4, **_S2S_IDS)
+_BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+             encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, forced_eos_token_id=None, **_S2S_IDS)
+FAMILIES += [
+    ("t5", "s2s", "T5Config", "T5ForConditionalGeneration", dict(_T5, decoder_start_token_id=PAD), None),
+    ("t5-v1.1", "s2s", "T5Config", "T5ForConditionalGeneration",  # gated GELU, untied head, hd 32
+     dict(_T5, d_kv=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=PAD), None),
+    ("mt5", "s2s", "MT5Config", "MT5ForConditionalGeneration",
+     dict(_T5, d_kv=32, num_heads=2, feed_forward_proj="gated-gelu", decoder_start_token_id=PAD), None),
+    ("umt5", "s2s", "UMT5Config", "UMT5ForConditionalGeneration",  # a position bias in every layer
+     dict(_T5, feed_forward_proj="gated-gelu", decoder_start_token_id=PAD), None),
+    ("bart", "s2s", "BartConfig", "BartForConditionalGeneration", _BART, None),
+    ("bart:eager", "s2s", "BartConfig", "BartForConditionalGeneration", _BART, "eager"),
+    ("mbart", "s2s", "MBartConfig", "MBartForConditionalGeneration",  # pre-norm, hd 32
+     dict(_BART, encoder_attention_heads=2, decoder_attention_heads=2), None),
+    ("marian", "s2s", "MarianConfig", "MarianMTModel", dict(_BART, decoder_start_token_id=PAD), None),  # sinusoidal
+    ("pegasus", "s2s", "PegasusConfig", "PegasusForConditionalGeneration",
+     dict(_BART, encoder_attention_heads=2, decoder_attention_heads=2, decoder_start_token_id=PAD), None),
+    ("m2m100", "s2s", "M2M100Config", "M2M100ForConditionalGeneration", _BART, None),
+    ("blenderbot", "s2s", "BlenderbotConfig", "BlenderbotForConditionalGeneration",
+     dict(_BART, encoder_attention_heads=2, decoder_attention_heads=2), None),
+    ("plbart", "s2s", "PLBartConfig", "PLBartForConditionalGeneration", _BART, None),
+    ("led", "s2s", "LEDConfig", "LEDForConditionalGeneration",  # local attention, window 16 (inputs padded to it)
+     dict({k: v for k, v in _BART.items() if k != "max_position_embeddings"}, attention_window=16,
+          max_encoder_position_embeddings=64, max_decoder_position_embeddings=64), None),
+    ("longt5", "s2s", "LongT5Config", "LongT5ForConditionalGeneration",
+     dict(_T5, encoder_attention_type="local", local_radius=4, decoder_start_token_id=PAD), None),
+    ("longt5:tglobal", "s2s", "LongT5Config", "LongT5ForConditionalGeneration",
+     dict(_T5, encoder_attention_type="transient-global", local_radius=4, global_block_size=4,
+          decoder_start_token_id=PAD), None),
+    ("prophetnet", "s2s", "ProphetNetConfig", "ProphetNetForConditionalGeneration",
+     dict(hidden_size=64, encoder_ffn_dim=96, decoder_ffn_dim=96, num_encoder_layers=2, num_decoder_layers=2,
+          num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=64, ngram=2,
+          num_buckets=32, relative_max_distance=64, **_S2S_IDS), None),
+]
+BY_NAME = {f[0]: f for f in FAMILIES}
+
+
+def base_name(name: str) -> str:
+    return name.split(":")[0]
+
+
+def select(only: str | None, skip: str | None) -> list[str]:
+    """Family names in the order above; --only/--skip name a family (all its variants) or one variant."""
+    def hit(name, wanted):
+        return name in wanted or base_name(name) in wanted
+    names = [f[0] for f in FAMILIES]
+    if only:
+        wanted = {w.strip() for w in only.split(",") if w.strip()}
+        unknown = [w for w in wanted if not any(hit(n, {w}) for n in names)]
+        if unknown:
+            raise SystemExit(f"family_sweep: unknown families {unknown}; see --list")
+        names = [n for n in names if hit(n, wanted)]
+    if skip:
+        wanted = {w.strip() for w in skip.split(",") if w.strip()}
+        names = [n for n in names if not hit(n, wanted)]
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# One unit: (family, dtype), run inside a worker.
+# ---------------------------------------------------------------------------------------------
+class EagerFailed(Exception):
+    """Eager in the same dtype raised too: the check is a SKIP."""
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _maxabs(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _spread_weights(model) -> None:
+    """Hugging Face's initialisation (std 0.02, zero biases, unit norms) leaves a 2-layer model
+    close to the identity: its logits are the input embedding's, and greedy generation repeats the
+    last token. Matrices get std 1/sqrt(their larger side), biases and norm weights noise of 0.1 around
+    their initial value, so that every layer moves the logits and errors show."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.dim() >= 2:
+                p.copy_(noise / math.sqrt(max(p.shape[-1], p.shape[-2])))
+            else:
+                p.add_(0.1 * noise)
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+class Unit:
+    def __init__(self, family: str, dtype: str, device: str, emit):
+        self.family, self.dtype, self.device, self.emit = family, dtype, device, emit
+        self.spec = BY_NAME[family]
+        self.kind = self.spec[1]
+        self.records: list[dict] = []
+        self.logit_diff = 0.0  # max-abs logit difference transfuse vs eager-in-dtype over the forwards
+
+    def record(self, check: str, status: str, **fields):
+        rec = dict(family=self.family, dtype=self.dtype, check=check, status=status, device=self.device, **fields)
+        self.records.append(rec)
+        self.emit(rec)
+
+    # -- building --------------------------------------------------------------------------
+    def build(self):
+        import torch
+        import transformers
+
+        name, kind, config_cls, model_cls, config, attn = self.spec
+        cfg = getattr(transformers, config_cls)(**config)
+        if attn is not None:
+            cfg._attn_implementation = attn
+        torch.manual_seed(0)
+        ref = getattr(transformers, model_cls)(cfg).eval()
+        _spread_weights(ref)
+        ref = ref.to(self.device)
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+        eager = copy.deepcopy(ref).to(dtype) if dtype != torch.float32 else copy.deepcopy(ref)
+        ours = copy.deepcopy(eager)
+        saved = {k: v.detach().clone() for k, v in ours.state_dict().items()}
+        attn_used = getattr(ref.config, "_attn_implementation", None)
+        return ref, eager, ours, saved, attn_used
+
+    def inputs(self, seq: int, batch: int = BATCH, seed: int = 0) -> dict:
+        """ids with padding (decoders: left; encoder inputs: right) set to the pad id; rows 1 and 2
+        padded by 3 and 6 positions."""
+        import torch
+
+        g = torch.Generator().manual_seed(1000 * seq + seed)
+        ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+        mask = torch.ones_like(ids)
+        pad = self.spec[4].get("pad_token_id", PAD)
+        for row, n in ((1, 3), (2, 6)):
+            if row < batch:
+                if self.kind == "dec":
+                    mask[row, :n] = 0
+                else:
+                    mask[row, seq - n:] = 0
+        ids = ids.masked_fill(mask == 0, pad)
+        kw = dict(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+        if self.kind == "s2s":
+            dec = torch.randint(3, VOCAB, (batch, DECODER_SEQS.get(seq, 7)), generator=g)
+            kw["decoder_input_ids"] = dec.to(self.device)
+        return kw
+
+    # -- checks ----------------------------------------------------------------------------
+    def run_eager(self, fn):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any eager failure makes the check a SKIP
+            raise EagerFailed(_short(exc)) from exc
+
+    def forward(self, ref, eager, ours, seq: int):
+        import torch
+
+        kw = self.inputs(seq)
+        with torch.no_grad():
+            want = self.run_eager(lambda: _logits(ref(**kw)).float())
+            base = self.run_eager(lambda: _logits(eager(**kw)).float())
+            got = _logits(ours(**kw)).float()
+        if self.kind == "s2s":
+            keep = torch.ones(got.shape[:2], dtype=torch.bool, device=got.device)
+        else:
+            keep = kw["attention_mask"].bool()
+        if got.shape != want.shape:
+            return dict(status="FAIL", reason=f"logits shape {tuple(got.shape)} != eager {tuple(want.shape)}")
+        want, base, got = want[keep], base[keep], got[keep]
+        if not torch.isfinite(base).all():
+            return dict(status="SKIP", reason="eager's logits in this dtype are not finite")
+        err_ours, err_eager = _rel(got, want), _rel(base, want)
+        tol = 2 * err_eager + ATOL[self.dtype]
+        self.logit_diff = max(self.logit_diff, _maxabs(got, base))
+        fields = dict(err_ours=err_ours, err_eager=err_eager, tol=tol, maxabs_ours=_maxabs(got, want),
+                      maxabs_eager=_maxabs(base, want), logit_scale=float(want.abs().max()))
+        ok = math.isfinite(err_ours) and err_ours <= tol
+        if ok:
+            return dict(status="PASS", reason="", **fields)
+        reason = f"fwd{seq} rel err {err_ours:.2e} > {tol:.2e} (eager {err_eager:.2e})"
+        # Does Dynamo alone (no transfuse: its "eager" backend, dynamic shapes) give the same error?
+        # Then the failure is inherited from the trace of the model, not made by transfuse.
+        try:
+            traced = torch.compile(copy.deepcopy(eager), backend="eager", dynamic=True)
+            with torch.no_grad():
+                err_dynamo = _rel(_logits(traced(**kw)).float()[keep], want)
+            fields["err_dynamo"] = err_dynamo
+        except Exception as exc:  # noqa: BLE001
+            fields["err_dynamo"] = f"raises {_short(exc)}"
+            return dict(status="FAIL", reason=reason, **fields)
+        if err_dynamo > tol and abs(err_dynamo - err_ours) <= 0.05 * err_dynamo + ATOL[self.dtype]:
+            return dict(status="SKIP", reason=f"inherited: {reason}; torch.compile(backend='eager', dynamic=True) "
+                                              f"without transfuse gives {err_dynamo:.2e}", **fields)
+        return dict(status="FAIL", reason=f"{reason}; Dynamo alone {err_dynamo:.2e}", **fields)
+
+    def generate(self, eager, ours, seq: int, batch: int):
+        import torch
+
+        kw = self.inputs(seq, batch=batch, seed=1)
+        kw.pop("decoder_input_ids", None)
+        gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=self.spec[4].get("pad_token_id", PAD))
+        with torch.no_grad():
+            ref = self.run_eager(lambda: eager.generate(**kw, **gen, output_scores=True, return_dict_in_generate=True))
+            out = ours.generate(**kw, **gen)
+        want = ref.sequences.cpu()
+        got = out.cpu() if isinstance(out, torch.Tensor) else out.sequences.cpu()
+        prompt = 0 if self.kind == "s2s" else kw["input_ids"].shape[1]
+        width = max(want.shape[1], got.shape[1])
+        fill = gen["pad_token_id"]
+        want = torch.nn.functional.pad(want, (0, width - want.shape[1]), value=fill)
+        got = torch.nn.functional.pad(got, (0, width - got.shape[1]), value=fill)
+        scores = [s.float().cpu() for s in ref.scores]
+        tie_tol = max(TIE_FACTOR * self.logit_diff, TIE_FLOOR[self.dtype])
+        equal = ties = bad = 0
+        margins = []
+        for row in range(batch):
+            diff = (want[row, prompt:] != got[row, prompt:]).nonzero()
+            if not len(diff):
+                equal += 1
+                continue
+            step = int(diff[0])
+            if step < len(scores):
+                top = scores[step][row].topk(2).values
+                margin = float(top[0] - top[1])
+            else:
+                margin = None  # past eager's last step (EOS): a length difference
+            margins.append(margin)
+            if margin is not None and margin < tie_tol:
+                ties += 1
+            else:
+                bad += 1
+        fields = dict(rows=batch, equal=equal, near_ties=ties, mismatched=bad, tie_tol=tie_tol,
+                      margins_at_divergence=margins, prompt_len=seq,
+                      tokens_match=float((want == got).float().mean()))
+        reason = "" if not bad else f"generate batch {batch}: {bad}/{batch} rows differ (margins {margins})"
+        return dict(status="FAIL" if bad else "PASS", reason=reason, **fields)
+
+    def run(self):
+        import torch
+
+        import transfuse
+
+        t0 = time.perf_counter()
+        try:
+            ref, eager, ours, saved, attn = self.build()
+        except Exception as exc:  # noqa: BLE001
+            self.record("build", "SKIP", reason=f"build fails: {_short(exc)}", traceback=traceback.format_exc())
+            return self.records
+        self.attn = attn
+        try:
+            transfuse.optimize(ours)
+        except Exception as exc:  # noqa: BLE001
+            self.record("optimize", "FAIL", reason=f"optimize: {_short(exc)}", traceback=traceback.format_exc(),
+                        attn=attn)
+            return self.records
+        checks = [(f"fwd{s}", lambda s=s: self.forward(ref, eager, ours, s)) for s in SEQS]
+        if self.kind in ("dec", "s2s"):
+            checks += [("gen_b3", lambda: self.generate(eager, ours, SEQS[0], BATCH)),
+                       ("gen_b2", lambda: self.generate(eager, ours, SEQS[1], 2))]
+        for check, fn in checks:
+            t = time.perf_counter()
+            try:
+                result = fn()
+            except EagerFailed as exc:
+                result = dict(status="SKIP", reason=f"{check}: eager {self.dtype} fails too: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                result = dict(status="FAIL", reason=f"{check}: {_short(exc)}", traceback=traceback.format_exc())
+            self.record(check, result.pop("status"), seconds=round(time.perf_counter() - t, 2), attn=attn, **result)
+        changed = [k for k, v in ours.state_dict().items() if k not in saved or not torch.equal(v, saved[k])]
+        missing = [k for k in saved if k not in ours.state_dict()]
+        self.record("params", "FAIL" if changed or missing else "PASS", changed=changed[:20], missing=missing[:20],
+                    reason=f"parameters changed: {(changed + missing)[:4]}" if changed or missing else "")
+        try:
+            text = transfuse.report(ours)
+            state = getattr(ours, "_transfuse_state", None)
+            rewrites: dict = {}
+            for backend in getattr(state, "backends", ()):
+                for r in backend.records:
+                    for k, v in r.rewrites.items():
+                        rewrites[k] = rewrites.get(k, 0) + v
+            fallbacks = [line.strip() for line in text.splitlines()
+                         if "left to eager" in line or "default cache" in line or "as written" in line]
+            self.record("report", "PASS", rewrites=rewrites, traces=sum(len(b.records) for b in getattr(state, "backends", ())),
+                        fallbacks=fallbacks[:10], report=text[:4000])
+        except Exception as exc:  # noqa: BLE001
+            self.record("report", "FAIL", reason=f"report: {_short(exc)}", traceback=traceback.format_exc())
+        del ref, eager, ours, saved
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        self.seconds = time.perf_counter() - t0
+        return self.records
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: reads "family dtype" lines on stdin, writes protocol lines on stdout.
+# ---------------------------------------------------------------------------------------------
+def worker(args) -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout = sys.stderr  # anything the libraries print goes to the worker's log, not the protocol
+    os.dup2(2, 1)
+    import torch  # noqa: F401  (imported before the first unit so that its time is not the unit's)
+    import transformers
+
+    import transfuse  # noqa: F401
+
+    transformers.logging.set_verbosity_error()
+    proto.write(PROTOCOL + json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        family, dtype = line.split()
+        t0 = time.perf_counter()
+        print(f"=== {family} {dtype}", file=sys.stderr, flush=True)
+        try:
+            Unit(family, dtype, args.device, lambda rec: proto.write(PROTOCOL + json.dumps(rec, default=str) + "\n")).run()
+        except BaseException as exc:  # noqa: BLE001 - a unit never takes the worker down silently
+            rec = dict(family=family, dtype=dtype, check="unit", status="FAIL", device=args.device,
+                       reason=f"sweep error: {_short(exc)}", traceback=traceback.format_exc())
+            proto.write(PROTOCOL + json.dumps(rec, default=str) + "\n")
+        proto.write(PROTOCOL + json.dumps({"done": [family, dtype], "seconds": time.perf_counter() - t0}) + "\n")
+
+
+class Worker:
+    def __init__(self, index: int, args, log_dir: Path):
+        self.index = index
+        self.log = open(log_dir / f"worker{index}.log", "ab")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     start_new_session=True)
+        self.buffer = b""
+        self.unit: tuple[str, str] | None = None
+        self.started = 0.0
+        self.last_beat = 0.0
+        self.ready = False
+
+    def send(self, unit):
+        self.unit, self.started = unit, time.monotonic()
+        self.last_beat = self.started
+        self.proc.stdin.write(f"{unit[0]} {unit[1]}\n".encode())
+        self.proc.stdin.flush()
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, 9)  # its own session: the worker and whatever it started
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def run_parent(args, units, out_dir: Path, emit, started: float) -> list[tuple[str, str]]:
+    """Hands units to --jobs workers; returns the units never started."""
+    log_dir = out_dir / "workers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pending = list(units)
+    sel = selectors.DefaultSelector()
+    workers: list[Worker] = []
+    next_index = 0
+
+    def spawn():
+        nonlocal next_index
+        w = Worker(next_index, args, log_dir)
+        next_index += 1
+        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+        workers.append(w)
+        return w
+
+    def retire(w, kill=False):
+        sel.unregister(w.proc.stdout)
+        workers.remove(w)
+        if kill:
+            w.kill()
+        else:
+            w.close()
+            w.proc.wait()
+            w.log.close()
+
+    def feed(w):
+        if pending and time.monotonic() - started < args.time_limit:
+            w.send(pending.pop(0))
+            log(f"start {w.unit[0]} {w.unit[1]} (worker {w.index})", started)
+        else:
+            w.unit = None
+            retire(w)
+
+    for _ in range(max(1, min(args.jobs, len(pending)))):
+        spawn()
+    while workers:
+        events = sel.select(timeout=5.0)
+        for key, _ in events:
+            w = key.data
+            chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+            if not chunk:  # the worker died
+                if not w.ready:
+                    retire(w, kill=True)
+                    tail = (log_dir / f"worker{w.index}.log").read_text(errors="replace")[-3000:]
+                    raise SystemExit(f"family_sweep: a worker died before its first unit:\n{tail}")
+                if w.unit is not None:
+                    code = w.proc.poll()
+                    emit(dict(family=w.unit[0], dtype=w.unit[1], check="unit", status="FAIL", device=args.device,
+                              reason=f"worker died (exit {code}) during the unit; see workers/worker{w.index}.log"))
+                    log(f"worker {w.index} died in {w.unit[0]} {w.unit[1]}", started)
+                retire(w, kill=True)
+                if pending and time.monotonic() - started < args.time_limit:
+                    spawn()
+                continue
+            w.buffer += chunk
+            while b"\n" in w.buffer:
+                line, w.buffer = w.buffer.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if not text.startswith(PROTOCOL):
+                    continue
+                msg = json.loads(text[len(PROTOCOL):])
+                if msg.get("ready"):
+                    w.ready = True
+                    feed(w)
+                elif "done" in msg:
+                    status = unit_status([r for r in RESULTS if (r["family"], r["dtype"]) == tuple(msg["done"])])
+                    log(f"done  {msg['done'][0]} {msg['done'][1]} in {msg['seconds']:.1f} s: {status}", started)
+                    feed(w)
+                else:
+                    emit(msg)
+        now = time.monotonic()
+        for w in list(workers):
+            if w.unit is None:
+                continue
+            if now - w.started > args.unit_timeout:
+                emit(dict(family=w.unit[0], dtype=w.unit[1], check="unit", status="FAIL", device=args.device,
+                          reason=f"timeout: still running after {args.unit_timeout:.0f} s (killed)"))
+                log(f"timeout {w.unit[0]} {w.unit[1]}: worker {w.index} killed", started)
+                w.unit = None
+                retire(w, kill=True)
+                if pending and now - started < args.time_limit:
+                    spawn()
+            elif now - w.last_beat > args.heartbeat:
+                w.last_beat = now
+                log(f"still running {w.unit[0]} {w.unit[1]} ({now - w.started:.0f} s)", started)
+    return pending
+
+
+def run_inline(args, units, emit, started) -> list[tuple[str, str]]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    pending = list(units)
+    while pending and time.monotonic() - started < args.time_limit:
+        family, dtype = pending.pop(0)
+        log(f"start {family} {dtype}", started)
+        t0 = time.perf_counter()
+        try:
+            Unit(family, dtype, args.device, emit).run()
+        except Exception as exc:  # noqa: BLE001
+            emit(dict(family=family, dtype=dtype, check="unit", status="FAIL", device=args.device,
+                      reason=f"sweep error: {_short(exc)}", traceback=traceback.format_exc()))
+        rows = [r for r in RESULTS if (r["family"], r["dtype"]) == (family, dtype)]
+        log(f"done  {family} {dtype} in {time.perf_counter() - t0:.1f} s: {unit_status(rows)}", started)
+    return pending
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+RESULTS: list[dict] = []
+
+
+def log(text: str, started: float) -> None:
+    print(f"[{time.monotonic() - started:6.0f}s] {text}", flush=True)
+
+
+def unit_status(rows: list[dict]) -> str:
+    states = {r["status"] for r in rows}
+    if "FAIL" in states:
+        return "FAIL"
+    if "PASS" in states:
+        return "PASS"
+    return "SKIP" if states else "NOTRUN"
+
+
+def table(units, not_run) -> str:
+    lines = []
+    head = ("family", "dtype", "attn", "fwd err ours/eager", "generate", "params", "rw", "traces", "status", "reason")
+    rows = []
+    for family, dtype in units:
+        recs = [r for r in RESULTS if (r["family"], r["dtype"]) == (family, dtype)]
+        if (family, dtype) in not_run or not recs:
+            rows.append((family, dtype, "", "", "", "", "", "", "NOTRUN", "time limit" if (family, dtype) in not_run else ""))
+            continue
+        by = {r["check"]: r for r in recs}
+        fwd = [r for r in recs if r["check"].startswith("fwd") and "err_ours" in r]
+        err = (f"{max(r['err_ours'] for r in fwd):.1e}/{max(r['err_eager'] for r in fwd):.1e}" if fwd else "-")
+        gens = [r for r in recs if r["check"].startswith("gen") and "rows" in r]
+        gen = ("-" if not gens else
+               f"{sum(r['equal'] for r in gens)}/{sum(r['rows'] for r in gens)}"
+               + (f" ({sum(r['near_ties'] for r in gens)} tie)" if any(r["near_ties"] for r in gens) else ""))
+        params = {"PASS": "kept", "FAIL": "CHANGED"}.get(by.get("params", {}).get("status"), "-")
+        rw = by.get("report", {}).get("rewrites")
+        rw = str(sum(rw.values())) if isinstance(rw, dict) else "-"
+        traces = str(by.get("report", {}).get("traces", "-"))
+        status = unit_status(recs)
+        reason = next((r.get("reason", "") for r in recs if r["status"] == "FAIL"), "")
+        if status == "SKIP":
+            reason = next((r.get("reason", "") for r in recs if r["status"] == "SKIP"), "")
+        elif status == "PASS":
+            skipped = [r["check"] for r in recs if r["status"] == "SKIP"]
+            fallbacks = by.get("report", {}).get("fallbacks") or []
+            first_skip = next((r.get("reason", "") for r in recs if r["status"] == "SKIP"), "")
+            reason = "; ".join(([f"skipped {','.join(skipped)}: {first_skip}"] if skipped else []) + fallbacks[:1])
+        attn = next((r.get("attn") for r in recs if r.get("attn")), "") or ""
+        rows.append((family, dtype, attn, err, gen, params, rw, traces, status, reason[:110]))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    widths[-1] = min(widths[-1], 110)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines.append(fmt.format(*head))
+    lines.append(fmt.format(*("-" * w for w in widths)))
+    for r in rows:
+        lines.append(fmt.format(*r))
+    counts = {s: sum(1 for u in units if unit_status([r for r in RESULTS if (r["family"], r["dtype"]) == u]) == s)
+              for s in ("PASS", "FAIL", "SKIP", "NOTRUN")}
+    lines.append("units: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtypes", default="fp16,bf16,fp32")
+    p.add_argument("--only", help="comma-separated families (a base name selects its variants too)")
+    p.add_argument("--skip", help="comma-separated families to leave out")
+    p.add_argument("--out", default="sweep-out")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default 6 on cuda, 1 on cpu; 0 runs in this process, no timeout)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds after which no new unit starts (default 420 on cuda, none on cpu)")
+    p.add_argument("--unit-timeout", type=float, default=None,
+                   help="seconds one (family, dtype) may take before its worker is killed (default 180 cuda, 1200 cpu)")
+    p.add_argument("--heartbeat", type=float, default=60.0, help="seconds between 'still running' lines")
+    p.add_argument("--precompile", action="store_true",
+                   help="keep transfuse's parallel precompile of every bucket (off by default: TRANSFUSE_PRECOMPILE=0)")
+    p.add_argument("--list", action="store_true", help="print the families and exit")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
+    if not args.precompile:
+        os.environ.setdefault("TRANSFUSE_PRECOMPILE", "0")
+    if args.worker:
+        worker(args)
+        return 0
+    if args.list:
+        for name, kind, _, model_cls, _, attn in FAMILIES:
+            print(f"{name:16} {kind:4} {model_cls}{'' if attn is None else ' attn=' + attn}")
+        return 0
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise SystemExit(f"family_sweep: unknown dtypes {bad} (use {','.join(DTYPES)})")
+    if args.jobs is None:
+        args.jobs = 6 if args.device == "cuda" else 1
+    if args.unit_timeout is None:
+        args.unit_timeout = 180.0 if args.device == "cuda" else 1200.0
+    if args.time_limit is None:
+        args.time_limit = 420.0 if args.device == "cuda" else float("inf")
+    units = [(f, d) for f in select(args.only, args.skip) for d in dtypes]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sink = open(out_dir / "sweep.jsonl", "a", buffering=1)
+
+    import torch
+    import transformers
+    import triton
+
+    meta = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), device=args.device,
+                gpu=torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else None,
+                interpret=os.environ.get("TRITON_INTERPRET"), precompile=os.environ.get("TRANSFUSE_PRECOMPILE", "1"),
+                argv=sys.argv[1:], time=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+    def emit(rec):
+        rec = {**rec, **{k: meta[k] for k in ("torch", "triton", "transformers")}}
+        RESULTS.append(rec)
+        sink.write(json.dumps(rec, default=str) + "\n")
+
+    started = time.monotonic()
+    log(f"{len(units)} units on {args.device} ({meta['gpu'] or 'CPU'}), torch {meta['torch']}, triton "
+        f"{meta['triton']}, transformers {meta['transformers']}, jobs {args.jobs}, out {out_dir}", started)
+    try:
+        if args.jobs == 0:
+            not_run = run_inline(args, units, emit, started)
+        else:
+            not_run = run_parent(args, units, out_dir, emit, started)
+    except KeyboardInterrupt:
+        not_run = [u for u in units if not any((r["family"], r["dtype"]) == u for r in RESULTS)]
+    sink.close()
+    text = table(units, set(not_run))
+    (out_dir / "table.txt").write_text(text + "\n")
+    print(f"\nfamily sweep, {time.monotonic() - started:.0f} s ({meta['device']}"
+          f"{', ' + meta['gpu'] if meta['gpu'] else ''}; torch {meta['torch']}, triton {meta['triton']}, "
+          f"transformers {meta['transformers']})")
+    print(text)
+    return 1 if any(unit_status([r for r in RESULTS if (r["family"], r["dtype"]) == u]) == "FAIL" for u in units) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
