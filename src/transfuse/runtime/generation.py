@@ -59,7 +59,7 @@ class StaticCacheReuse:
         self.reused = 0
         self.created = 0
         self.probed: tuple | str | None = None  # see probe()
-        self.windowed = 0  # sliding-window (or chunked) layers given a full-length cache, per cache
+        self.windowed = 0  # sliding-window (or chunked) layers given the full length, in the last cache that had any
 
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
@@ -175,17 +175,14 @@ def _full_length_windows(cache, length: int) -> int:
     every full-attention layer of the model already does)."""
     from transformers.cache_utils import StaticLayer
 
-    parts = [getattr(cache, "self_attention_cache", None)]
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    if not isinstance(layers, list):
+        return 0
     replaced = 0
-    for part in [p for p in parts if p is not None] or [cache]:
-        layers = getattr(part, "layers", None)
-        if not isinstance(layers, list):
-            continue
-        for i, layer in enumerate(layers):
-            if (isinstance(layer, StaticLayer) and getattr(layer, "is_sliding", False)
-                    and not getattr(layer, "is_initialized", True)):
-                layers[i] = StaticLayer(max_cache_len=length)
-                replaced += 1
+    for i, layer in enumerate(layers):
+        if isinstance(layer, StaticLayer) and layer.is_sliding and not layer.is_initialized:
+            layers[i] = StaticLayer(max_cache_len=length)
+            replaced += 1
     return replaced
 
 
