@@ -347,6 +347,36 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.narrow, torch.transpose, torch.permut
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
+def _is_view(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
+def _reads_strides(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("as_strided", "as_strided_", "stride", "data_ptr")
+    return node.op == "call_function" and node.target in (torch.as_strided, torch.Tensor.as_strided, torch.Tensor.stride)
+
+
+def strides_read_downstream(node: fx.Node) -> fx.Node | None:
+    """The first node that reads `node`'s memory layout through views of it (`as_strided`,
+    `.stride()`), or None. Dynamo traces such a node with the strides of the example it saw (as
+    constants), so a pass that gives `node` a different layout (a column slice of a merged output)
+    would make it read the wrong elements. Longformer/LED's sliding-window chunking does this."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _reads_strides(user):
+                return user
+            if _is_view(user):
+                todo.append(user)
+    return None
+
+
 def written_inputs(gm: fx.GraphModule) -> set[int]:
     """Positions of the graph inputs that the graph writes in place, directly or through a view
     (a static KV cache's `index_copy_`, `x[i] = v`, `x += y` on an input). Conservative: a view op

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import add_buffer, arg, hint, kind, node_order, static_inputs, tensor_meta, value
+from transfuse.passes.graph import (add_buffer, arg, hint, kind, node_order, static_inputs, strides_read_downstream,
+                                   tensor_meta, value)
 from transfuse.passes.manager import PassContext
 
 PATTERN = "SiblingLinears"
@@ -56,6 +57,10 @@ def _merge(ctx: PassContext, x: fx.Node, members: list[fx.Node]) -> str | None:
     for m, off, n in zip(members, offsets, sizes):
         if not _views_stay_valid(m, off, n, sum(sizes)):
             return f"a user of '{m.name}' reshapes it in a way a column slice cannot be viewed"
+        reader = strides_read_downstream(m)
+        if reader is not None:
+            return (f"'{reader.name}' reads the strides of '{m.name}' (as traced, unmerged): a column slice "
+                    "of the merged output has others")
 
     fused_w = _fused(weights)
     fused_b = _fused(biases) if biases[0] is not None else None
