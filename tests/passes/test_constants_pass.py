@@ -48,3 +48,31 @@ def test_eager_bert_mask_leaves_no_literal_in_the_graph():
     optimize_and_run(model, input_ids=ids, attention_mask=mask)
     graphs = model._transfuse_state.backend.graphs
     assert graphs and all(_literal_calls(gm) == 0 for gm in graphs)
+
+
+class HeadPicker(torch.nn.Module):
+    """Falcon's key/value heads: `qkv[..., [-2]]` indexes with a Python list (a host tensor each call)."""
+
+    def forward(self, qkv, cache):
+        cache[:, [0, 2]] = qkv[:, [1, 3], :, 0]  # a list index written to, too
+        return qkv[:, :, :, [-2]] * 2 + qkv[..., [[0], [1]]].sum() + cache.sum()
+
+
+def _index_lists(gm: fx.GraphModule) -> int:
+    def has_list(a):
+        return isinstance(a, list) or (isinstance(a, tuple) and any(has_list(i) for i in a))
+    return sum(n.op == "call_function" and len(n.args) > 1 and has_list(n.args[1]) for n in gm.graph.nodes)
+
+
+def test_index_lists_become_tensors_on_the_device_with_the_same_result():
+    torch.manual_seed(0)
+    qkv, cache = torch.randn(2, 5, 3, 4), torch.randn(2, 4, 3)
+    ref_cache = cache.clone()
+    ref = HeadPicker()(qkv, ref_cache)
+    model = HeadPicker()
+    out = optimize_and_run(model, qkv, cache)[0]
+    assert torch.equal(out, ref) and torch.equal(cache, ref_cache)
+    graphs = model._transfuse_state.backend.graphs
+    assert graphs and all(_index_lists(gm) == 0 for gm in graphs)
+    buffers = [b for gm in graphs for name, b in gm.named_buffers() if name.startswith("_transfuse_index_")]
+    assert len(buffers) == 4 and all(b.dtype == torch.long and b.device == qkv.device for b in buffers)

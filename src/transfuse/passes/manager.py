@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from transfuse.passes.constants import hoist_literal_tensors
+from transfuse.passes.constants import hoist_index_lists, hoist_literal_tensors
 from transfuse.passes.graph import remove_dead_code
 
 
@@ -104,4 +104,5 @@ def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None
         # Not a rewrite: what CUDA graph capture needs of an inference graph. (A training graph's
         # literals become AOTAutograd's own constants; a buffer added here would stop its trace.)
         hoist_literal_tensors(ctx.gm)
+        hoist_index_lists(ctx.gm)
     ctx.gm.recompile()
