@@ -132,3 +132,36 @@ def test_encoder_decoder_decode_loop_graphs_match_eager(family):
     loop = opt._transfuse_state.decode_loop
     assert loop.captures == 2 and loop.steps_replayed > 30, transfuse.report(opt)
     assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
+
+
+@pytest.mark.parametrize("family", ["falcon", "falcon_mq", "gpt_neo"])
+def test_generate_with_graphs_equals_eager(family):
+    """Families whose graphs once broke capture or compilation on the GPU (found by
+    bench/family_sweep.py): Falcon indexes its key/value heads with a Python list (a host copy per
+    call, refused by CUDA graph capture); GPT-Neo's generate() raised in the backend on a
+    data-dependent size. Eager's tokens, with the decode step replayed from a graph where the loop runs."""
+    torch.manual_seed(0)
+    if family.startswith("falcon"):
+        extra = (dict(new_decoder_architecture=True, num_kv_heads=2, num_attention_heads=4) if family == "falcon"
+                 else dict(multi_query=True, parallel_attn=True, num_attention_heads=4))
+        cfg = transformers.FalconConfig(hidden_size=128, num_hidden_layers=2, alibi=False, vocab_size=1000,
+                                        max_position_embeddings=512, **extra)
+        model = transformers.FalconForCausalLM(cfg)
+    else:
+        cfg = transformers.GPTNeoConfig(hidden_size=128, num_layers=2, num_heads=4, vocab_size=1000,
+                                        max_position_embeddings=512, attention_types=[[["global", "local"], 1]],
+                                        window_size=8)
+        model = transformers.GPTNeoForCausalLM(cfg)
+    model = model.cuda().float().eval()
+    opt = transfuse.optimize(copy.deepcopy(model))
+    ids = torch.randint(3, 1000, (3, 13), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        for new in (12, 20):
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            assert torch.equal(out, ref), (new, transfuse.report(opt))
+    loop = opt._transfuse_state.decode_loop
+    if loop is not None and loop.calls:
+        assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)

@@ -243,7 +243,11 @@ def test_graph_mode_routing_on_cpu(monkeypatch):
     """The GPU path of the runner (static buffers filled in their corner, key lengths written, outputs
     sliced and cloned, a returned tensor never overwritten) with the capture faked on the CPU."""
     import transfuse.runtime.buckets as buckets
+    from transfuse.runtime import precompile
 
+    # The dry runs of every bucket (tests/runtime/test_precompile.py) would run each bucket's
+    # forward through the interpreter here: ~9 min on the 2-core CI machine for nothing under test.
+    monkeypatch.setenv(precompile.ENV, "0")
     model = BERT.build("sdpa")
     transfuse.optimize(model)
     rng = random.Random(4)
@@ -327,3 +331,30 @@ def test_keyword_arguments_of_a_contraction_are_read():
         with torch.no_grad():
             assert rel_err(model(*x), Scores()(*x)) < 1e-6
     assert "contracts over a padded dimension" in transfuse.report(model)
+
+
+class _DataDependent(torch.nn.Module):
+    """A size Dynamo learns from data (`.item()`: an unbacked symbol), tied to the input's sizes
+    only by runtime assertions (GPT-Neo's causal-mask slice was one on torch 2.11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, lengths):
+        h = self.proj(x)
+        k = lengths.max().item()
+        torch._check(k >= 1)
+        torch._check(k <= x.shape[1])
+        return h[:, :k] * 2
+
+
+def test_data_dependent_size_runs_exact_and_is_reported():
+    model = _DataDependent().eval()
+    transfuse.optimize(model)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        for batch, seq in [(3, 5), (5, 7), (3, 6)]:
+            x, lengths = torch.randn(batch, seq, 8), torch.tensor([seq - 1, 2])
+            assert rel_err(model(x, lengths), model.forward.__wrapped__(x, lengths)) < 1e-5
+    assert "data-dependent size" in transfuse.report(model)
+    assert all(not r.plan.paddable for r in _runners(model) if isinstance(r, PaddedRunner))

@@ -312,11 +312,19 @@ def size_arg(graph: fx.Graph, size: Any) -> Any:
     return None
 
 
+UNBACKED_HINT = 64  # stands in for a data-dependent size (Dynamo's unbacked symbol: no example value)
+
+
 def hint(size: Any) -> int:
     """A size's value in the example Dynamo traced (the int itself when static). Only for checks
-    whose answer cannot depend on the value, such as whether a view of a column slice exists."""
+    whose answer cannot depend on the value, such as whether a view of a column slice exists, and
+    for estimates (the report's FLOPs): a data-dependent size, which has no example, counts as
+    UNBACKED_HINT."""
     if isinstance(size, torch.SymInt):
-        return int(size.node.hint) if size.node.hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+        if size.node.hint is not None:
+            return int(size.node.hint)
+        value = size.node.shape_env.size_hint(size.node.expr, allow_none=True)
+        return int(value) if value is not None else UNBACKED_HINT
     return int(size)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from transfuse.passes.graph import method_name, same_size, static_inputs, value
 
@@ -104,6 +105,11 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
     if not symbols:
         return None
 
+    unbacked = _first_unbacked(gm)
+    if unbacked is not None:
+        for s in symbols:
+            refused.setdefault(s, f"'{unbacked[0]}' has a data-dependent size {unbacked[1]} whose relation to the "
+                                  "padded sizes padding could break")
     analysis = _Analysis(symbols, refused)
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
@@ -127,6 +133,21 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
     )
     _add_key_lengths(gm, plan, analysis.attention_keys)
     return plan
+
+
+def _first_unbacked(gm: fx.GraphModule) -> tuple[str, str] | None:
+    """(node name, symbol) of the first size Dynamo could only learn from data (an unbacked symbol:
+    GPT-Neo's causal-mask slice of its `bias` buffer), or None. The analysis reasons over the input
+    sizes; such a size is tied to them by runtime assertions it does not follow."""
+    for node in gm.graph.nodes:
+        v = value(node)
+        try:
+            found = free_unbacked_symbols(v) if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymBool)) else ()
+        except Exception:  # noqa: BLE001 - a value it cannot iterate holds no size
+            found = ()
+        if found:
+            return node.name, str(next(iter(found)))
+    return None
 
 
 def _arg(node: fx.Node, index: int, *names: str):
