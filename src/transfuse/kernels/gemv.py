@@ -373,11 +373,13 @@ def norm_gemv_fwd(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str = "none",
+    config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or
     s = x and an empty (0,) second output without a residual: the RMSNorm or LayerNorm that feeds a
     linear, in the GEMV's own launch. Every program normalises the rows itself (they are K <= NORM_K_MAX wide
-    and few), so the normalised activation never reaches memory and the norm costs no launch."""
+    and few), so the normalised activation never reaches memory and the norm costs no launch.
+    `config=(BLOCK_N, num_warps)` overrides the heuristic (benchmarks)."""
     if not norm_gemv_applies(x, weight, norm, GEMV_M_MAX):
         raise ValueError("norm_gemv_fwd: x, the norm's residual and weight must share a dtype and device, "
                          f"with at most {GEMV_M_MAX} rows of at most {NORM_K_MAX}: use the norm op and gemv_fwd")
@@ -406,6 +408,8 @@ def norm_gemv_fwd(
     # One K step holds the whole row; enough warps that a thread keeps at most 64 of its values.
     block_k = max(next_power_of_2(K), conf.block_k)
     num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
+    if config is not None:
+        conf, num_warps = conf._replace(block_n=config[0]), config[1]
     epilogue = EpilogueOperands(out, bias, None, activation, 1)
     bucket = gemv_bucket(M)
     _gemv_fwd_kernel[(triton.cdiv(N, conf.block_n), 1)](
