@@ -97,6 +97,10 @@ FAMILIES = [
           multi_query=True, parallel_attn=True, max_position_embeddings=64, **IDS), None),
     ("llama", "dec", "LlamaConfig", "LlamaForCausalLM", _LLAMA, None),
     ("llama:eager", "dec", "LlamaConfig", "LlamaForCausalLM", _LLAMA, "eager"),
+    ("llama:hd80", "dec", "LlamaConfig", "LlamaForCausalLM",  # head dim 80 (not a power of two), GQA 3:1
+     dict(_LLAMA, hidden_size=240, num_attention_heads=3, num_key_value_heads=1, head_dim=80), None),
+    ("llama:hd256", "dec", "LlamaConfig", "LlamaForCausalLM",  # head dim 256 (Gemma's), MQA
+     dict(_LLAMA, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=256), None),
     ("mistral", "dec", "MistralConfig", "MistralForCausalLM", dict(_LLAMA, head_dim=32), None),  # hd 32 != hidden/heads
     ("mixtral", "dec", "MixtralConfig", "MixtralForCausalLM",  # 4 experts, top 2
      dict(_LLAMA, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2), None),
