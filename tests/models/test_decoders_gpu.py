@@ -1,6 +1,6 @@
 """Decoder families on the GPU: Llama prefill through optimize() within fp16's own error, RMSNorm
-rewritten; generate() equal to eager, with the dynamic and the static cache (the static-cache case
-was written without a GPU run: the next session with a device runs it)."""
+rewritten; generate() equal to eager, with the dynamic and the static cache, through the decode
+loop's CUDA graphs, for sliding windows and for families whose graphs once broke capture."""
 
 import copy
 
@@ -87,12 +87,28 @@ def test_decode_loop_graphs_match_hf_loop():
     assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
 
 
+def _generate_equals_eager(model, batch: int, seq: int, left_pad: tuple[int, int], new_tokens, **gen):
+    """Greedy generate() of an fp32 copy through optimize() equals eager's, for each count of new
+    tokens in turn (later calls reuse the graphs and cache of earlier ones); row left_pad[0] is
+    left-padded by left_pad[1] positions. Returns the optimized model."""
+    model = model.cuda().float().eval()
+    opt = transfuse.optimize(copy.deepcopy(model))
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[left_pad[0], :left_pad[1]] = 0
+    with torch.no_grad():
+        for new in new_tokens:
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **gen)
+            out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **gen)
+            assert torch.equal(out, ref), (new, transfuse.report(opt))
+    return opt
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_sliding_window_generate_equals_eager(family):
     """A sliding window shorter than the generation, on generate()'s default static cache (its
     windowed layers given the full length, the window kept by Hugging Face's mask): eager's tokens
-    over two calls with left padding, and no trace per decode step. (Written without a GPU run: the
-    next session with a device runs it.)"""
+    over two calls with left padding, and no trace per decode step."""
     torch.manual_seed(0)
     common = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                   intermediate_size=688, vocab_size=1000, max_position_embeddings=512, sliding_window=16)
@@ -100,16 +116,7 @@ def test_sliding_window_generate_equals_eager(family):
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=32, **common))
     else:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
-    model = model.cuda().float().eval()
-    opt = transfuse.optimize(copy.deepcopy(model))
-    ids = torch.randint(0, 1000, (2, 21), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    with torch.no_grad():
-        for new in (40, 24):
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-            out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-            assert torch.equal(out, ref), new
+    opt = _generate_equals_eager(model, batch=2, seq=21, left_pad=(0, 4), new_tokens=(40, 24))
     assert sum(len(b.records) for b in opt._transfuse_state.backends) <= 3, transfuse.report(opt)
 
 
@@ -152,16 +159,7 @@ def test_generate_with_graphs_equals_eager(family):
                                         max_position_embeddings=512, attention_types=[[["global", "local"], 1]],
                                         window_size=8)
         model = transformers.GPTNeoForCausalLM(cfg)
-    model = model.cuda().float().eval()
-    opt = transfuse.optimize(copy.deepcopy(model))
-    ids = torch.randint(3, 1000, (3, 13), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad():
-        for new in (12, 20):
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
-            out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
-            assert torch.equal(out, ref), (new, transfuse.report(opt))
+    opt = _generate_equals_eager(model, batch=3, seq=13, left_pad=(1, 3), new_tokens=(12, 20), pad_token_id=0)
     loop = opt._transfuse_state.decode_loop
     if loop is not None and loop.calls:
         assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
