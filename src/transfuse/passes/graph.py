@@ -409,7 +409,7 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
             continue
         if _writes_first_arg(node):
             written.add(placeholders[root])
-        elif (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target in _VIEW_FUNCTIONS:
+        elif _is_view(node):
             base[node] = root
     return written
 
