@@ -68,7 +68,8 @@ class Pass:
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
     from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, inplace, kv_cache,
-                                  linear, merge_linears, norm, norm_linear, rms_norm, rotary, written_layer_norm)
+                                  linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary,
+                                  written_layer_norm)
 
     return [
         Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place", trains=True),
@@ -86,6 +87,7 @@ def registry() -> list[Pass]:
         Pass("cross_entropy", cross_entropy.run, "the LM loss (and its head when nothing else reads the logits) -> transfuse.cross_entropy", trains=True),
         Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear (linear_train in training)", trains=True),
         Pass("norm_linear", norm_linear.run, "an RMSNorm or LayerNorm and the one linear reading it -> transfuse.rms_norm_linear / layer_norm_linear"),
+        Pass("qkv_rotary_cache", qkv_rotary_cache.run, "a norm + Q/K/V linear and its rotary + cache write -> transfuse.qkv_rotary_cache_write"),
         Pass("cache_length", cache_length.run, "every layer's cache-length add_ -> one _foreach_add_ at the end"),
     ]
 
