@@ -316,7 +316,10 @@ class DecodeLoop:
         b.cur_len.fill_(prompt_len)
         b.unfinished.fill_(True)
         pad = generation_config._pad_token_tensor
-        b.pad.fill_(int(pad) if pad is not None else 0)
+        if isinstance(pad, torch.Tensor):  # a device copy: int(pad) would wait for the prefill
+            b.pad.copy_(pad.reshape(-1)[0])
+        else:
+            b.pad.fill_(int(pad) if pad is not None else 0)
         names = [type(p).__name__ for p in logits_processor]
         if any(n in _MIN_LENGTH for n in names):
             b.min_len_blocked.zero_()
