@@ -68,7 +68,7 @@ class Pass:
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
     from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, inplace, kv_cache,
-                                  linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary,
+                                  linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary, rotary_table,
                                   written_layer_norm)
 
     return [
@@ -76,6 +76,7 @@ def registry() -> list[Pass]:
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)", trains=True),
         Pass("clamp", clamp.run, "T5's fp16 guard, clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention", trains=True),
+        Pass("rotary_table", rotary_table.run, "HF's cos/sin table (inv_freq @ positions, cat, cos, sin, scale, cast) -> transfuse.rotary_table"),
         Pass("rotary", rotary.run, "x * cos + rotate_half(x) * sin -> transfuse.rotary", trains=True),
         Pass("kv_cache", kv_cache.run, "a static KV cache's arange + index_copy_ pair -> transfuse.kv_cache_write"),
         Pass("conv1d", conv1d.run, "Hugging Face Conv1D's addmm(bias, x, W) -> F.linear(x, W.t(), bias)", trains=True),

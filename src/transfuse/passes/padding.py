@@ -338,6 +338,8 @@ class _Analysis:
             self._attention(node)
         elif name in ("transfuse.attention_mask_summary", "mask_summary_for"):
             pass
+        elif name == "transfuse.rotary_table":  # row (b, s) of the tables reads positions[b, s] alone
+            pass
         elif name == "transfuse.rotary":  # element-wise but for the head dim, which it rotates
             self.refuse(self.dim_syms(node.args[0], -1), node, "rotates across a padded dimension")
         elif name == "transfuse.rotary_pair":

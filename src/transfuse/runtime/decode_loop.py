@@ -119,6 +119,7 @@ class _Entry:
         self.no_graph_reason: str | None = None
         self.constant: dict = {}  # the model inputs that hold for the whole call, at fixed addresses
         self.step_inputs: StepInputs | None = None  # set by the key's first step (runtime/step_inputs.py)
+        self.token_sets = None  # the token ids _reset last wrote into the min-length and forced-token buffers
 
 
 class DecodeLoop:
@@ -208,6 +209,9 @@ class DecodeLoop:
         do_sample = bool(generation_config.do_sample)
         exact_stop = bool(generation_config.return_dict_in_generate)  # the cache is returned: no extra steps
 
+        # Read before the prefill: processors keep their token ids in device tensors, and reading
+        # those after it would wait for it.
+        token_ids = _processor_token_ids(logits_processor)
         outputs = model._prefill(input_ids, generation_config, model_kwargs)
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=seq2seq)
         # A copy: the prefill's outputs may hold every position's logits. (In their own dtype: _choose
@@ -242,7 +246,7 @@ class DecodeLoop:
         b = entry.buffers
         _copy_into(entry.constant, constant)
         constant = entry.constant
-        self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len, seq2seq)
+        self._reset(b, entry, model_kwargs, logits_processor, generation_config, prompt_len, seq2seq, token_ids)
         if entry.step_inputs is not None and not seq2seq:
             entry.step_inputs.reset(b.mask)
 
@@ -299,7 +303,7 @@ class DecodeLoop:
     # ---------------------------------------------------------------------------------------------
 
     def _reset(self, b: _Buffers, entry: _Entry, model_kwargs, logits_processor, generation_config, prompt_len,
-               seq2seq: bool):
+               seq2seq: bool, token_ids):
         if not seq2seq:
             mask = model_kwargs["attention_mask"]  # prompt + the prefill's token
             n = mask.shape[1]
@@ -320,27 +324,30 @@ class DecodeLoop:
             b.pad.copy_(pad.reshape(-1)[0])
         else:
             b.pad.fill_(int(pad) if pad is not None else 0)
-        names = [type(p).__name__ for p in logits_processor]
-        if any(n in _MIN_LENGTH for n in names):
-            b.min_len_blocked.zero_()
-        i = 0
-        for p in logits_processor:
-            name = type(p).__name__
-            if name not in _MIN_LENGTH:
-                continue
-            threshold = p.min_length if name == "MinLengthLogitsProcessor" else p.prompt_length_to_skip + p.min_new_tokens
-            b.min_len[i] = threshold
-            ids = [j for j in _ids(p.eos_token_id) if 0 <= j < b.min_len_blocked.shape[1]]
-            b.min_len_blocked[i, ids] = True
-            i += 1
+        # Which token ids each min-length / forced-token processor blocks or forces: fixed for an
+        # entry's processors in practice, and written through Python-list indices (a host-to-device
+        # copy that waits for the prefill), so written again only when they change.
+        min_len = [p for p in logits_processor if type(p).__name__ in _MIN_LENGTH]
         forced = [p for p in logits_processor if type(p).__name__ in _FORCED]
-        if forced:
-            b.forced_scores.fill_(-math.inf)
+        blocked_ids, forced_ids = token_ids
+        blocked = [[j for j in ids if 0 <= j < b.min_len_blocked.shape[1]] for ids in blocked_ids]
+        forced_ids = [[j for j in ids if 0 <= j < b.forced_scores.shape[1]] for ids in forced_ids]
         for i, p in enumerate(forced):
-            eos = type(p).__name__ == "ForcedEOSTokenLogitsProcessor"
-            b.forced_len[i] = p.max_length - 1 if eos else 1
-            ids = _ids(p.eos_token_id) if eos else [int(p.bos_token_id)]
-            b.forced_scores[i, [j for j in ids if 0 <= j < b.forced_scores.shape[1]]] = 0.0
+            b.forced_len[i] = p.max_length - 1 if type(p).__name__ == "ForcedEOSTokenLogitsProcessor" else 1
+        for i, p in enumerate(min_len):
+            name = type(p).__name__
+            b.min_len[i] = p.min_length if name == "MinLengthLogitsProcessor" else p.prompt_length_to_skip + p.min_new_tokens
+        written = (blocked, forced_ids)
+        if entry.token_sets != written:
+            if min_len:
+                b.min_len_blocked.zero_()
+            for i, ids in enumerate(blocked):
+                b.min_len_blocked[i, ids] = True
+            if forced:
+                b.forced_scores.fill_(-math.inf)
+            for i, ids in enumerate(forced_ids):
+                b.forced_scores[i, ids] = 0.0
+            entry.token_sets = written
 
     def _choose(self, logits, b: _Buffers, eos, logits_processor, do_sample: bool, advance=None) -> None:
         """Hugging Face's token choice on the step's logits (B, vocab), written into the buffers; with
@@ -488,6 +495,15 @@ class _Flag:
 
     def value(self) -> bool:
         return bool(self.host)
+
+
+def _processor_token_ids(logits_processor) -> tuple[list[list[int]], list[list[int]]]:
+    """The token ids each min-length processor blocks and each forced-token processor forces, in
+    the order _reset writes them."""
+    blocked = [_ids(p.eos_token_id) for p in logits_processor if type(p).__name__ in _MIN_LENGTH]
+    forced = [_ids(p.eos_token_id) if type(p).__name__ == "ForcedEOSTokenLogitsProcessor" else [int(p.bos_token_id)]
+              for p in logits_processor if type(p).__name__ in _FORCED]
+    return blocked, forced
 
 
 def _ids(value) -> list[int]:
