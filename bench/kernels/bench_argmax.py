@@ -11,38 +11,15 @@ Prints the GPU, versions and date with the table.
 from __future__ import annotations
 
 import datetime
-import statistics
 
 import torch
 import triton
 
+from transfuse.bench.timing import graph_replay_us
 from transfuse.kernels.argmax import argmax_fwd, argmax_partials
 from transfuse.kernels.decode_step import decode_step_fwd
 
-REPEAT = 50
 SHAPES = [(1, 32000), (8, 32000), (32, 32000), (1, 128256), (8, 128256)]
-
-
-def _graph_us(launch) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            launch()  # compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            launch()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEAT)
-    return statistics.median(times)
 
 
 def _buffers(batch: int) -> dict:
@@ -86,14 +63,14 @@ def main() -> None:
     for rows, vocab in SHAPES:
         for dtype in (torch.float16, torch.float32):
             logits = torch.randn(rows, vocab, device="cuda", dtype=dtype)
-            t_torch = _graph_us(lambda: torch.argmax(logits, dim=-1))
-            t_ours = _graph_us(lambda: argmax_fwd(logits))
+            t_torch = graph_replay_us(lambda: torch.argmax(logits, dim=-1))
+            t_ours = graph_replay_us(lambda: argmax_fwd(logits))
             assert torch.equal(argmax_fwd(logits), torch.argmax(logits, dim=-1))
             gbs = logits.numel() * logits.element_size() / (t_ours * 1e-6) / 1e9
             b_torch, b_ours = _buffers(rows), _buffers(rows)
-            c_torch = _graph_us(lambda: (b_torch["step"].zero_(), b_torch["column"].zero_(),
+            c_torch = graph_replay_us(lambda: (b_torch["step"].zero_(), b_torch["column"].zero_(),
                                          _torch_choice(logits, b_torch, eos)))
-            c_ours = _graph_us(lambda: (b_ours["step"].zero_(), b_ours["column"].zero_(),
+            c_ours = graph_replay_us(lambda: (b_ours["step"].zero_(), b_ours["column"].zero_(),
                                         _kernel_choice(logits, b_ours, eos)))
             print(f"{rows:>5} x {vocab:>6} {str(dtype)[6:]:>9} | {t_torch:12.2f} {t_ours:8.2f} {gbs:6.0f} | "
                   f"{c_torch:12.2f} {c_ours:8.2f}   (choice columns include 2 counter resets)")

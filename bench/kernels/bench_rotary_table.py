@@ -15,44 +15,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from transfuse.bench.timing import graph_replay_us
 from transfuse.kernels.rotary_table import rotary_table_fwd
 from transfuse.reference.rotary_table import rotary_table_ref
 
-REPEAT = 50
 # (batch, seq, head_dim, dtype): decode steps of 1 and 8 sequences (Llama-3 head dim 128, TinyLlama
 # 64), a Phi-2-like head dim of 80, prompts of 512 and 4096 tokens.
 CASES = [
     (1, 1, 64, torch.float16), (1, 1, 128, torch.bfloat16), (8, 1, 128, torch.bfloat16), (8, 1, 80, torch.float16),
     (1, 512, 128, torch.bfloat16), (1, 4096, 128, torch.bfloat16), (4, 2048, 64, torch.float16),
 ]
-
-
-def _graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()  # compiles and tunes outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEAT)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -77,7 +54,7 @@ def main() -> None:
             assert (a.float() - b.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps
         cells = []
         for name in names:
-            cells += [_graph_us(fns[name]), do_bench(fns[name], return_mode="median") * 1e3]
+            cells += [graph_replay_us(fns[name]), do_bench(fns[name], return_mode="median") * 1e3]
         moved = (positions.numel() * positions.element_size() + inv_freq.numel() * 4
                  + 2 * batch * seq * dim * ours[0].element_size())
         gbs = moved / (cells[2] * 1e-6) / 1e9

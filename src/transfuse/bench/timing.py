@@ -122,3 +122,30 @@ def measure(
             _call(fn, args)
             samples.append((time.perf_counter() - t0) * 1e3)
     return summarize(samples)
+
+
+def graph_replay_us(fn: Callable[[], Any], repeat: int = 50, replays: int = 30) -> float:
+    """Microseconds per call of `fn` (a few kernel launches) captured `repeat` times into one CUDA
+    graph: the median over `replays` replays, each timed between CUDA events. Launch overhead is
+    gone, so this is the kernels' own time plus the gaps a graph keeps between them (kernel
+    microbenchmarks; whole-model calls use `measure`). Warm-up calls run on a side stream first,
+    so that compilation and tuning happen outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / repeat)
+    return percentile(times, 50)

@@ -367,6 +367,19 @@ def norm_gemv_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue,
             and all(t.shape == (x.shape[-1],) for t in (norm.weight, norm.bias) if t is not None))
 
 
+def norm_rows(x: torch.Tensor, norm: NormPrologue) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x and the norm's residual (or None) as (M, K) rows with unit stride along K, as the norm-GEMV
+    kernels read them (a copy only where the stride is not 1)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if res2 is not None and res2.stride(1) != 1:
+        res2 = res2.contiguous()
+    return x2, res2
+
+
 def norm_gemv_fwd(
     x: torch.Tensor,
     norm: NormPrologue,
@@ -386,12 +399,7 @@ def norm_gemv_fwd(
     N = check_linear_args(x, weight, bias, activation, None)
     K = x.shape[-1]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if res2 is not None and res2.stride(1) != 1:
-        res2 = res2.contiguous()
+    x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)

@@ -194,12 +194,7 @@ def qkv_rotary_cache_fwd(x: torch.Tensor, norm: NormPrologue, weight: torch.Tens
                          "qkv_rotary_cache_applies); run norm_gemv_fwd and rotary_kv_cache_write_fwd")
     B, n, K = x.shape
     HK, L, D = keys.shape[1], keys.shape[2], keys.shape[3]
-    x2 = x.reshape(-1, K)
-    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if res2 is not None and res2.stride(1) != 1:
-        res2 = res2.contiguous()
+    x2, res2 = gemv.norm_rows(x, norm)
     M = x2.shape[0]
     q_out = torch.empty((B, q_heads, n, D), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
