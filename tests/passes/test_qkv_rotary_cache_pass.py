@@ -23,18 +23,23 @@ def _inputs():
     angle = torch.randn(1, 1, n, D // 2, generator=g) * 10
     angle = torch.cat((angle, angle), dim=-1)
     return dict(x=torch.randn(B, n, K, generator=g), norm_weight=torch.rand(K, generator=g) + 0.5,
+                norm_bias=torch.randn(K, generator=g),
                 weight=torch.randn(N, K, generator=g) / K ** 0.5, keys=torch.randn(B, HK, L, D, generator=g),
                 values=torch.randn(B, HK, L, D, generator=g), cos=angle.cos(), sin=angle.sin(),
                 start=torch.tensor(3))
 
 
-def _graph(order=("q", "k", "v"), extra_reader=False) -> fx.GraphModule:
+def _graph(order=("q", "k", "v"), extra_reader=False, layer_norm=False) -> fx.GraphModule:
     """The heads taken from the output's column blocks in `order`; `extra_reader`: the graph also
-    returns the linear's output."""
+    returns the linear's output; `layer_norm`: a LayerNorm (with bias) feeds the linear."""
     graph = fx.Graph()
     p = {name: graph.placeholder(name) for name in _inputs()}
-    nl = graph.call_function(OPS.rms_norm_linear.default, (p["x"], None, p["norm_weight"], 1e-6, 0.0, True,
-                                                            p["weight"], None, "none"))
+    if layer_norm:
+        nl = graph.call_function(OPS.layer_norm_linear.default, (p["x"], None, p["norm_weight"], p["norm_bias"], 1e-5,
+                                                                  p["weight"], None, "none"))
+    else:
+        nl = graph.call_function(OPS.rms_norm_linear.default, (p["x"], None, p["norm_weight"], 1e-6, 0.0, True,
+                                                                p["weight"], None, "none"))
     out = graph.call_function(operator.getitem, (nl, 0))
     heads = {"q": HQ, "k": HK, "v": HK}
     views, start = {}, 0
@@ -80,8 +85,9 @@ def _apply(gm):
     return ctx
 
 
-def test_fused_graph_gives_the_unfused_results():
-    gm = _graph()
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["rms_norm", "layer_norm"])
+def test_fused_graph_gives_the_unfused_results(layer_norm):
+    gm = _graph(layer_norm=layer_norm)
     before = _run(gm)
     ctx = _apply(gm)
     assert ctx.rewrites[qkv_rotary_cache.PATTERN] == 1 and not ctx.rejections
