@@ -380,6 +380,17 @@ def norm_rows(x: torch.Tensor, norm: NormPrologue) -> tuple[torch.Tensor, torch.
     return x2, res2
 
 
+def norm_gemv_step(M: int, N: int, K: int, x: torch.Tensor, gated: bool = False) -> tuple[GemvConfig, int, int, int]:
+    """(the heuristic's config, BLOCK_K, VEC, num_warps) of a norm-GEMV launch: one K step holds the
+    whole row, with enough warps that a thread keeps at most 64 of its values. Kernels that must
+    reproduce norm_gemv_fwd's per-column sums (kernels/qkv_rotary_cache.py) launch with these."""
+    conf = default_config(M, N, K, _num_sms(x.device), gated)
+    vec = min(conf.block_k, 16 // x.element_size())
+    block_k = max(next_power_of_2(K), conf.block_k)
+    num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
+    return conf, block_k, vec, num_warps
+
+
 def norm_gemv_fwd(
     x: torch.Tensor,
     norm: NormPrologue,
@@ -411,11 +422,7 @@ def norm_gemv_fwd(
                                     prologue, summed)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     norm_args, norm_flags = launch_args(prologue, x2, summed)
-    conf = default_config(M, N, K, _num_sms(x.device), activation == "silu_mul")
-    vec = min(conf.block_k, 16 // x.element_size())
-    # One K step holds the whole row; enough warps that a thread keeps at most 64 of its values.
-    block_k = max(next_power_of_2(K), conf.block_k)
-    num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
+    conf, block_k, vec, num_warps = norm_gemv_step(M, N, K, x, activation == "silu_mul")
     if config is not None:
         conf, num_warps = conf._replace(block_n=config[0]), config[1]
     epilogue = EpilogueOperands(out, bias, None, activation, 1)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels import gemv
-from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemv import _normed_rows
 from transfuse.kernels.norm_prologue import NormPrologue, launch_args
 
@@ -205,9 +205,7 @@ def qkv_rotary_cache_fwd(x: torch.Tensor, norm: NormPrologue, weight: torch.Tens
     cos3, sin3 = _cos_sin_rows(cos, B, n, D), _cos_sin_rows(sin, B, n, D)
     # norm_gemv_fwd's K step and warps, so that every column's sum is the same as there
     N = weight.shape[0]
-    conf = gemv.default_config(M, N, K, gemv._num_sms(x.device))
-    block_k = max(next_power_of_2(K), conf.block_k)
-    num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
+    conf, block_k, vec, num_warps = gemv.norm_gemv_step(M, N, K, x)
     block_p = _INTERPRET_PAIRS if INTERPRET else max(1, conf.block_n // 2)
     _qkv_rotary_cache_fwd_kernel[(triton.cdiv(N // 2, block_p),)](
         x2, x2.stride(0),
@@ -221,7 +219,7 @@ def qkv_rotary_cache_fwd(x: torch.Tensor, norm: NormPrologue, weight: torch.Tens
         start.reshape(1),
         M, n, L, K,
         HQ=q_heads, HK=HK, D=D, HAS_BIAS=bias is not None,
-        BLOCK_M=gemv.gemv_bucket(M), BLOCK_P=block_p, BLOCK_K=block_k, VEC=min(block_k, 16 // x.element_size()),
+        BLOCK_M=gemv.gemv_bucket(M), BLOCK_P=block_p, BLOCK_K=block_k, VEC=vec,
         **norm_flags, BF16_RNE_BY_HAND=INTERPRET and x.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=1, **pdl(x2),
     )

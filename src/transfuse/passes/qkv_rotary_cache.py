@@ -10,9 +10,9 @@ and both become transfuse.qkv_rotary_cache_write, placed where the write was: in
 launch (the GEMV's epilogue rotates and writes the cache), otherwise the same two kernels as before
 (ops/qkv_rotary_cache.py).
 
-Matched by meaning: q, k and v are views of the one linear output (checked on the traced tensors:
-same storage, offsets 0, HQ * D and (HQ + HK) * D, head stride D, token stride the output's row),
-whatever view ops Dynamo recorded (narrow, split, view, transpose). Left alone, with the reason: an
+Matched by meaning: q, k and v are views of the one linear output (the recorded view ops, whatever
+they are: narrow, split, view, transpose, replayed on a meta tensor of the output's shape: same
+storage, offsets 0, HQ * D and (HQ + HK) * D, head stride D, token stride the output's row). Left alone, with the reason: an
 output read by anything else as well, a layout that is not [q | k | v] head-major, the norm's sum
 read before the write, or an input of the norm written in place in between.
 """
@@ -120,7 +120,7 @@ def _fused_args(norm_linear: fx.Node, write: fx.Node, q_heads: int) -> tuple:
     return (*norm, weight, bias, keys, values, cos, sin, start, q_heads)
 
 
-def _obstacle(graph: fx.Graph, norm_linear: fx.Node, write: fx.Node, summed: fx.Node | None, order) -> str | None:
+def _obstacle(norm_linear: fx.Node, write: fx.Node, summed: fx.Node | None, order) -> str | None:
     """Why norm_linear cannot move down to the write, or None."""
     if summed is not None and any(order[u] < order[write] for u in summed.users):
         return "the norm's sum is read before the cache write"
@@ -160,7 +160,7 @@ def run(ctx: PassContext) -> None:
             continue
         sums = [u for u in norm_linear.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == 1]
         summed = sums[0] if sums else None
-        reason = _obstacle(graph, norm_linear, write, summed, order)
+        reason = _obstacle(norm_linear, write, summed, order)
         if reason is not None:
             ctx.reject(PATTERN, write, reason)
             continue
