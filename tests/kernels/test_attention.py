@@ -291,6 +291,27 @@ def test_summary_matches_reference(mask_name, device):
     assert torch.equal(summary, expect)
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("seqlen_k", [150, 600])
+def test_summary_of_decode_rows_matches_reference(seqlen_q, seqlen_k, device):
+    """Fewer query rows than a summary block (decode): several key blocks per iteration, the last
+    group partial (150 keys: 3 blocks; 600: 10). Every mask form, each with blocks of each class."""
+    g = torch.Generator().manual_seed(seqlen_q * 1000 + seqlen_k)
+    keep = torch.rand(2, 1, seqlen_q, seqlen_k, generator=g) > 0.3
+    keep[0, ..., :64] = True                      # a block with nothing masked
+    keep[1, ..., 64:192] = False                  # fully masked blocks
+    keep[0, ..., seqlen_k - 5:] = False           # right padding inside the last block
+    additive = torch.zeros(2, 1, seqlen_q, seqlen_k).masked_fill(~keep, FP32_MIN)
+    additive[1, ..., 0, :] = FP32_MIN             # a row masked by finite values only
+    infs = torch.zeros(1, 1, 1, seqlen_k).masked_fill(torch.rand(seqlen_k, generator=g) > 0.5, float("-inf"))
+    nans = torch.randn(2, 1, seqlen_q, seqlen_k, generator=g)
+    nans[0, 0, 0, seqlen_k // 2] = float("nan")
+    for mask in (keep, additive, infs, nans, additive.half()):
+        mask = mask.to(device)
+        summary = attention_mask_summary_fwd(mask, seqlen_q, seqlen_k)
+        assert torch.equal(summary.cpu(), attention_mask_summary_ref(mask, seqlen_q, seqlen_k).cpu()), mask.dtype
+
+
 @pytest.mark.parametrize("masked_keys, nan_key, expect", [
     (slice(64, None), 100, [2, 0, 0]),   # right padding: trailing blocks
     (slice(0, 64), 10, [0, 2, 2]),       # left padding: leading blocks

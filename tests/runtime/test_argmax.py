@@ -66,3 +66,39 @@ def test_argmax_rejects_what_it_does_not_handle(device):
         argmax_fwd(torch.zeros(2, 5, dtype=torch.float64, device=device))
     with pytest.raises(ValueError, match="rows, vocab"):
         argmax_fwd(torch.zeros(5, device=device))
+
+
+@pytest.mark.parametrize("length", [3, 5, 9])
+def test_argmax_partials_with_min_length_blocking(length, device):
+    """Hugging Face's min-length processors folded in: ids of blocked[p] score -inf while
+    length < thresholds[p]. Each processor's ids sit on its row's maximum, so a block that is ignored
+    (or applied when it should not be) changes the answer."""
+    vocab = 2 * BLOCK_V + 9
+    x = torch.randn(3, vocab, device=device, dtype=torch.float16)
+    blocked = torch.zeros(2, vocab, dtype=torch.bool, device=device)
+    blocked[0, [7, BLOCK_V + 1]] = True     # threshold 4: blocked while length < 4
+    blocked[1, [2 * BLOCK_V + 3]] = True    # threshold 8
+    x[:, 7] = 9.0
+    x[:, 2 * BLOCK_V + 3] = 8.0
+    x[1, BLOCK_V + 1] = 10.0
+    x[2, 2 * BLOCK_V + 3] = 11.0
+    thresholds = torch.tensor([4, 8], device=device)
+    cur_len = torch.tensor(length, device=device)
+    values, indices = argmax_partials(x, blocked, thresholds, cur_len)
+    active = (cur_len < thresholds).cpu()
+    ref_scores = x.float().cpu()
+    for p in range(2):
+        if active[p]:
+            ref_scores = ref_scores.masked_fill(blocked[p].cpu(), float("-inf"))
+    chunk_best = values.cpu().argmax(dim=-1)  # the first chunk holding the maximum
+    chosen = indices.cpu().gather(1, chunk_best[:, None]).squeeze(1).long()
+    assert torch.equal(chosen, ref_scores.argmax(dim=-1))
+    if length > 3:  # the second block alone (5), or none (9)
+        assert chosen.tolist() == [7, BLOCK_V + 1, 7 if length == 5 else 2 * BLOCK_V + 3]
+
+
+def test_argmax_partials_rejects_a_malformed_block(device):
+    x = torch.randn(1, 50, device=device)
+    with pytest.raises(ValueError, match="blocked"):
+        argmax_partials(x, torch.zeros(1, 49, dtype=torch.bool, device=device), torch.zeros(1, dtype=torch.long,
+                        device=device), torch.tensor(0, device=device))

@@ -57,7 +57,9 @@ def _first_max(values, positions, AXIS: tl.constexpr):
 
 @triton.jit
 def _argmax_partial_kernel(x_ptr, stride_x_row, stride_x_col, vocab, part_value_ptr, part_index_ptr, out_ptr,
-                           chunks, BLOCK_V: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr = 0):
+                           chunks, blocked_ptr, threshold_ptr, length_ptr,
+                           BLOCK_V: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCKED: tl.constexpr = 0,
+                           PDL: tl.constexpr = 0):
     wait_for_previous_kernel(PDL)
     pid_row = tl.program_id(0)
     pid_chunk = tl.program_id(1)
@@ -65,6 +67,13 @@ def _argmax_partial_kernel(x_ptr, stride_x_row, stride_x_col, vocab, part_value_
     inside = offs_v < vocab
     x = tl.load(x_ptr + pid_row.to(tl.int64) * stride_x_row + offs_v * stride_x_col, mask=inside,
                 other=float("-inf")).to(tl.float32)
+    if BLOCKED > 0:
+        # min-length blocking: while length < threshold[p], the ids of blocked[p] score -inf
+        length = tl.load(length_ptr)
+        for p in tl.static_range(BLOCKED):
+            if length < tl.load(threshold_ptr + p):
+                hit = tl.load(blocked_ptr + p * vocab + offs_v, mask=inside, other=0) != 0
+                x = tl.where(hit, float("-inf"), x)
     value, index = _first_max(x, tl.where(inside, offs_v, NONE), 0)
     if ONE_CHUNK:
         tl.store(out_ptr + pid_row, index.to(tl.int64))
@@ -97,17 +106,32 @@ def _check(x: torch.Tensor) -> None:
         raise RuntimeError(f"argmax runs on CUDA tensors (or anywhere under TRITON_INTERPRET=1); x is on {x.device}")
 
 
-def argmax_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_partials(x: torch.Tensor, blocked: torch.Tensor | None = None, thresholds: torch.Tensor | None = None,
+                    length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 alone: (values (rows, chunks) fp32, indices (rows, chunks) int32), each chunk's first
-    maximum, for a kernel that combines them itself (kernels/decode_step.py)."""
+    maximum, for a kernel that combines them itself (kernels/decode_step.py).
+
+    With `blocked` (P, vocab) bool, `thresholds` (P,) and `length` () integers on x's device: the
+    argmax of x.masked_fill(blocked[p] & (length < thresholds[p]), -inf) over every p, what Hugging
+    Face's min-length processors do to the scores before a greedy choice, read in the same launch
+    (no fp32 copy of the scores, no mask built per step)."""
     _check(x)
     rows, vocab = x.shape
     chunks = triton.cdiv(vocab, BLOCK_V)
     values = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    if blocked is not None:
+        if (blocked.dim() != 2 or blocked.shape[1] != vocab or blocked.dtype != torch.bool or not blocked.is_contiguous()
+                or thresholds is None or thresholds.shape != (blocked.shape[0],) or length is None or length.numel() != 1):
+            raise ValueError("argmax_partials: blocked must be a contiguous (P, vocab) bool tensor, with thresholds "
+                             "(P,) and a one-element length")
+        masking = (blocked, thresholds, length, blocked.shape[0])
+    else:
+        masking = (x, x, x, 0)  # stand-ins, never read
     if rows:
         _argmax_partial_kernel[(rows, chunks)](x, x.stride(0), x.stride(1), vocab, values, indices, indices, chunks,
-                                               BLOCK_V=BLOCK_V, ONE_CHUNK=False, num_warps=4, **pdl(x))
+                                               *masking[:3], BLOCK_V=BLOCK_V, ONE_CHUNK=False, BLOCKED=masking[3],
+                                               num_warps=4, **pdl(x))
     return values, indices
 
 
@@ -121,7 +145,7 @@ def argmax_fwd(x: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(vocab, BLOCK_V)
     if chunks == 1:
         block = max(16, next_power_of_2(vocab))
-        _argmax_partial_kernel[(rows, 1)](x, x.stride(0), x.stride(1), vocab, out, out, out, 1,
+        _argmax_partial_kernel[(rows, 1)](x, x.stride(0), x.stride(1), vocab, out, out, out, 1, x, x, x,
                                           BLOCK_V=block, ONE_CHUNK=True, num_warps=4, **pdl(x))
         return out
     values, indices = argmax_partials(x)
