@@ -83,7 +83,8 @@ class GemvConfig(NamedTuple):
 # (16-byte loads) * 1 or 2 steps. Narrow column blocks won on every Llama shape (H100, fp16): N / 2
 # programs keep enough loads in flight without split-K, and a thread's registers grow as
 # BLOCK_M * BLOCK_N accumulators + (BLOCK_M + BLOCK_N) * 8 loaded elements. At 1 row the listed
-# configs were within ~5% of each other on every shape. Beyond 2 rows see GEMV_FAST_M_MAX.
+# configs were within ~5% of each other on every shape but the long-K ones (LONG_K_BLOCK_N). Beyond
+# 2 rows see GEMV_FAST_M_MAX.
 _CONFIGS = {
     1: [GemvConfig(2, 2048, 1, 4), GemvConfig(4, 2048, 1, 4), GemvConfig(4, 1024, 1, 4),
         GemvConfig(2, 1024, 1, 2), GemvConfig(2, 2048, 2, 4)],
@@ -126,11 +127,22 @@ def keep(conf: GemvConfig, element_size: int = 2) -> bool:
     return conf.block_k % (32 * conf.num_warps * vec) == 0
 
 
-def default_config(m: int, n: int, k: int, num_sms: int, gated: bool = False) -> GemvConfig:
+# At 1 row, a linear that streams more than two K steps per column (a down projection: K = ffn) is
+# faster with 4-column blocks: Llama-1.1B's down + residual (2048 x 5632) 10.1 us against 11.2 with
+# the default 2 columns, the other configs 10.6-11.0 (H100, bench/kernels/bench_gemv.py --m 1,
+# bench/results/2026-11-26-*-gemv-sweep-1row-session14.log). Not for a norm prologue (one K step).
+LONG_K_BLOCK_N = 4
+
+
+def default_config(m: int, n: int, k: int, num_sms: int, gated: bool = False, norm: bool = False) -> GemvConfig:
     """The heuristic's config for an (m rows, n columns, k) linear on a GPU of num_sms SMs, `gated`
-    for "silu_mul" (the interpreter's config under TRITON_INTERPRET)."""
+    for "silu_mul", `norm` for a norm prologue (the interpreter's config under TRITON_INTERPRET)."""
     conf = gemv_configs(m, gated)[0]
-    return conf if INTERPRET else _fit(conf, n, k, num_sms)
+    if INTERPRET:
+        return conf
+    if m == 1 and not gated and not norm and k > 2 * conf.block_k:
+        conf = conf._replace(block_n=LONG_K_BLOCK_N)
+    return _fit(conf, n, k, num_sms)
 
 
 def _fit(conf: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -384,7 +396,7 @@ def norm_gemv_step(M: int, N: int, K: int, x: torch.Tensor, gated: bool = False)
     """(the heuristic's config, BLOCK_K, VEC, num_warps) of a norm-GEMV launch: one K step holds the
     whole row, with enough warps that a thread keeps at most 64 of its values. Kernels that must
     reproduce norm_gemv_fwd's per-column sums (kernels/qkv_rotary_cache.py) launch with these."""
-    conf = default_config(M, N, K, _num_sms(x.device), gated)
+    conf = default_config(M, N, K, _num_sms(x.device), gated, norm=True)
     vec = min(conf.block_k, 16 // x.element_size())
     block_k = max(next_power_of_2(K), conf.block_k)
     num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))

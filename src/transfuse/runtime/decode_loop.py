@@ -276,6 +276,8 @@ class DecodeLoop:
 
         choose(logits)  # the prefill's token
         chosen = 1
+        # The loop looks at "all rows finished" only from the first length at which an EOS can be chosen.
+        no_stop_before = _first_stop_length(eos_ids, logits_processor, token_ids[0])
         pending = collections.deque()
         stopped = False
         with getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)():
@@ -284,6 +286,8 @@ class DecodeLoop:
                 chosen += 1
                 if entry.eos is None:
                     continue
+                if prompt_len + chosen - 1 < no_stop_before:
+                    continue  # no row can have chosen EOS yet: nothing to look at
                 if exact_stop or input_ids.device.type != "cuda":
                     stopped = bool(b.all_done)  # a sync per step, as Hugging Face's loop does
                 elif chosen % CHECK_EVERY == 0:
@@ -337,9 +341,7 @@ class DecodeLoop:
         for i, p in enumerate(forced):
             b.forced_len[i].fill_(p.max_length - 1 if type(p).__name__ == "ForcedEOSTokenLogitsProcessor" else 1)
         for i, p in enumerate(min_len):
-            name = type(p).__name__
-            b.min_len[i].fill_(p.min_length if name == "MinLengthLogitsProcessor"
-                               else p.prompt_length_to_skip + p.min_new_tokens)
+            b.min_len[i].fill_(_min_length_threshold(p))
         written = (blocked, forced_ids)
         if entry.token_sets != written:
             if min_len:
@@ -520,6 +522,27 @@ def _processor_token_ids(logits_processor) -> tuple[list[list[int]], list[list[i
     forced = [_ids(p.eos_token_id) if type(p).__name__ == "ForcedEOSTokenLogitsProcessor" else [int(p.bos_token_id)]
               for p in logits_processor if type(p).__name__ in _FORCED]
     return blocked, forced
+
+
+def _min_length_threshold(p) -> int:
+    """The input length (cur_len) below which a min-length processor blocks its ids."""
+    if type(p).__name__ == "MinLengthLogitsProcessor":
+        return int(p.min_length)
+    return int(p.prompt_length_to_skip + p.min_new_tokens)
+
+
+def _first_stop_length(eos_ids: list[int], logits_processor, blocked_ids: list[list[int]]) -> int:
+    """The input length below which no row can choose an EOS token: every EOS id is blocked by
+    min-length processors until then (what min_new_tokens does). 0 (no such length) when an EOS id is
+    never blocked or a processor forces tokens (a forced EOS overrides the blocking)."""
+    if not eos_ids or any(type(p).__name__ in _FORCED for p in logits_processor):
+        return 0
+    min_len = [p for p in logits_processor if type(p).__name__ in _MIN_LENGTH]
+    first = None
+    for e in eos_ids:
+        blocked_until = max((_min_length_threshold(p) for p, ids in zip(min_len, blocked_ids) if e in ids), default=0)
+        first = blocked_until if first is None else min(first, blocked_until)
+    return first or 0
 
 
 def _ids(value) -> list[int]:
