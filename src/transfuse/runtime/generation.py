@@ -25,6 +25,7 @@ import types
 import torch
 
 from transfuse.runtime.decode_loop import DecodeLoop
+from transfuse.runtime.generation_check import cached_generation_check
 
 STATIC = "static"
 # Cache lengths are rounded up to a multiple of this, so that calls asking for a few more tokens
@@ -71,7 +72,7 @@ class StaticCacheReuse:
         key = (batch_size, self.model.dtype, self.model.device, cross)
         cache, length = self.caches.get(key, (None, 0))
         if cache is not None and length >= max_cache_len:
-            cache.reset()  # zeroes the tensors in place: same addresses, same graphs
+            _reset(cache)  # zeroes the tensors in place: same addresses, same graphs
             self.caches.move_to_end(key)
             self.reused += 1
             return cache
@@ -160,6 +161,33 @@ class StaticCacheReuse:
                    if self.windowed else "")
         return (f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
                 + windows)
+
+
+def _reset(cache) -> None:
+    """cache.reset(). Where that is Cache's (every layer's reset) and every layer's is
+    CacheLayerMixin's (zero the keys and values, zero cumulative_length), the zeroing is one foreach
+    launch instead of two or three per layer: ~0.3 ms less host time per generate() of a 22-layer
+    model, spent before the prefill while the GPU waits. Any other cache runs its own reset."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    layers = getattr(cache, "layers", None)
+    if (type(cache).reset is not Cache.reset or not layers
+            or any(type(layer).reset is not CacheLayerMixin.reset for layer in layers)):
+        cache.reset()
+        return
+    tensors = []
+    for layer in layers:
+        if layer.is_initialized:
+            tensors += [layer.keys, layer.values]
+        if hasattr(layer, "cumulative_length"):
+            if isinstance(layer.cumulative_length, int):
+                layer.cumulative_length = 0
+            else:
+                tensors.append(layer.cumulative_length)
+    if len({t.device for t in tensors}) > 1:
+        cache.reset()
+    elif tensors:
+        torch._foreach_zero_(tensors)
 
 
 def _full_length_windows(cache, length: int) -> int:
@@ -260,8 +288,17 @@ def _install_decode_loop(model: torch.nn.Module, state, reuse: StaticCacheReuse)
             return hf_sample(self, *args, **kwargs)
         return own(self, *args, **kwargs)
 
-    subclass = type(cls.__name__, (cls,), {"_sample": _sample, "__module__": cls.__module__,
-                                           "__qualname__": cls.__qualname__, "_transfuse_class_of": cls})
+    members = {"_sample": _sample, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+               "_transfuse_class_of": cls}
+    hf_prepare_config = getattr(cls, "_prepare_generation_config", None)
+    if hf_prepare_config is not None:
+        def _prepare_generation_config(self, generation_config=None, **kwargs):
+            # The legacy-options check without its per-call default config (runtime/generation_check.py)
+            with cached_generation_check(self.config if generation_config is None else None):
+                return hf_prepare_config(self, generation_config, **kwargs)
+
+        members["_prepare_generation_config"] = _prepare_generation_config
+    subclass = type(cls.__name__, (cls,), members)
     model.__class__ = subclass
     state.decode_loop = loop
 
