@@ -16,7 +16,6 @@ transfuse's GEMV, inside CUDA graphs.
 
 import argparse
 import datetime
-import statistics
 
 import torch
 import triton
@@ -60,32 +59,12 @@ def l2_prefetch(t: torch.Tensor, programs: int = 32) -> None:
                                                              CHUNK_BYTES=CHUNK, num_warps=1)
 
 
-def replay_us(calls, reps: int) -> float:
-    """Median time of one replay of a CUDA graph of calls(), in us."""
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def main():
+    from transfuse.bench.timing import graph_replay_us
     from transfuse.kernels.gemv import gemv_fwd
+
+    def replay_us(calls, reps: int) -> float:  # one replay of a graph of calls(), median, us
+        return graph_replay_us(calls, repeat=1, replays=reps)
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=50)
@@ -145,8 +124,6 @@ def main():
                 pf(o[i])
             spin()
             h = gemv_fwd(x, o[i], None, "none", res)
-            if where == "gate_up_too":
-                pf(o[(i + 1) % L])
             g = gemv_fwd(h, gu[i], None, "silu_mul", None)
             gemv_fwd(g, down[i], None, "none", res)
             del q

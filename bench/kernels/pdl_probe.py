@@ -4,12 +4,13 @@ plainly and with launch_pdl=True (each kernel waiting on its predecessor at its 
 letting its own dependents launch at once). Dev probe:
 PYTHONPATH=src python3 bench/kernels/pdl_probe.py"""
 
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from transfuse.bench.timing import graph_replay_us
 
 
 @triton.jit
@@ -42,21 +43,8 @@ def _rowsum_kernel(w_ptr, x_ptr, y_ptr, K, PDL: tl.constexpr, TRIGGER: tl.conste
 
 
 def _graph_us_per_kernel(launch, n_kernels: int) -> float:
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / n_kernels)
-    return statistics.median(times)
+    """us per kernel of launch() (n_kernels launches), median of 30 replays of one CUDA graph."""
+    return graph_replay_us(launch, repeat=1, replays=30) / n_kernels
 
 
 def main():

@@ -538,11 +538,9 @@ def _first_stop_length(eos_ids: list[int], logits_processor, blocked_ids: list[l
     if not eos_ids or any(type(p).__name__ in _FORCED for p in logits_processor):
         return 0
     min_len = [p for p in logits_processor if type(p).__name__ in _MIN_LENGTH]
-    first = None
-    for e in eos_ids:
-        blocked_until = max((_min_length_threshold(p) for p, ids in zip(min_len, blocked_ids) if e in ids), default=0)
-        first = blocked_until if first is None else min(first, blocked_until)
-    return first or 0
+    # each EOS id is blocked until the latest threshold among the processors that block it
+    return min(max((_min_length_threshold(p) for p, ids in zip(min_len, blocked_ids) if e in ids), default=0)
+               for e in eos_ids)
 
 
 def _ids(value) -> list[int]:
