@@ -7,12 +7,14 @@ x: (..., K), any leading dims and row strides; weight: (N, K) as F.linear takes 
 strides. Returns (..., N), contiguous, dtype of x. Activations: transfuse.kernels.gemm.ACTIVATIONS.
 Forward only for now (no autograd formula is registered).
 
-On a GPU the op runs one of two implementations, whichever is faster for the shape:
+On a GPU the op runs one of these implementations, whichever is faster for the shape:
 
 - "triton": transfuse.kernels.gemm, one GEMM whose epilogue applies bias, activation and
   residual on the fp32 accumulator (plus a split-K variant for few rows);
 - "gemv": transfuse.kernels.gemv, weight streaming on the CUDA cores for 1-2 rows (decode), the
   same epilogue;
+- "few_rows": transfuse.kernels.gemm_few_rows, 3-16 rows (batched decode) on the tensor cores with
+  the weight as the MMA's tall side, the same epilogue;
 - "torch": cuBLAS through torch.addmm / torch.mm, then the epilogue as PyTorch ops, which is what
   the unfused model runs; "torch_lt" is the same with cuBLASLt's fused epilogue
   (torch._addmm_activation) where that computes exactly what is asked: relu, and gelu_tanh (its
@@ -47,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from transfuse.kernels import gemm as kernels
-from transfuse.kernels import gemv
+from transfuse.kernels import gemm_few_rows, gemv
 from transfuse.kernels._config import INTERPRET, compiling_only
 
 BACKEND_ENV = "TRANSFUSE_GEMM_BACKEND"
@@ -75,7 +77,7 @@ class GemmKey(NamedTuple):
 
 @dataclass
 class GemmChoice:
-    backend: str  # "triton", "gemv", "torch" or "torch_lt"
+    backend: str  # "triton", "gemv", "few_rows", "torch" or "torch_lt"
     split_k: int = 1  # Triton only
     tile: Optional[tuple] = None  # Triton only: a fixed tile (None: autotuned per key)
     measured: bool = False
@@ -102,7 +104,7 @@ def _disk_path(device: torch.device):
     if index not in _DISK:
         from transfuse.runtime import tuning_cache
 
-        path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, gemv.__file__, __file__])
+        path = tuning_cache.cache_file("gemm-dispatch", device, [kernels.__file__, gemv.__file__, gemm_few_rows.__file__, __file__])
         for key, value in tuning_cache.load(path).items():
             if value.get("tile") is not None:
                 value["tile"] = tuple(value["tile"])
@@ -258,6 +260,8 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
 
     if M <= gemv.GEMV_FAST_M_MAX and gemv.gemv_applies(x, weight, max_rows=gemv.GEMV_FAST_M_MAX):
         candidates["gemv"] = lambda: gemv.gemv_fwd(x, weight, bias, activation, residual)
+    elif gemm_few_rows.few_rows_applies(x, weight):
+        candidates["few_rows"] = lambda: gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual)
     return candidates, tile
 
 
@@ -291,14 +295,14 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     best_torch = min((n for n in times if not _ours(n)), key=times.get)
     best_triton = min((n for n in times if _ours(n)), key=times.get, default=None)
     if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
-        if best_triton == "gemv":
-            return GemmChoice("gemv", measured=True, times_ms=times, note=note)
+        if best_triton in ("gemv", "few_rows"):
+            return GemmChoice(best_triton, measured=True, times_ms=times, note=note)
         return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), tile=tile, measured=True, times_ms=times, note=note)
     return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
 
 
 def _ours(candidate: str) -> bool:
-    return candidate.startswith("triton") or candidate == "gemv"
+    return candidate.startswith("triton") or candidate in ("gemv", "few_rows")
 
 
 def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
@@ -380,6 +384,8 @@ def linear_dispatch(x, weight, bias, activation: str, residual) -> torch.Tensor:
         return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k, tile=choice.tile)
     if choice.backend == "gemv":
         return gemv.gemv_fwd(x, weight, bias, activation, residual)
+    if choice.backend == "few_rows":
+        return gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual)
     return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")
 
 

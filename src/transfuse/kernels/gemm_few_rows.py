@@ -1,0 +1,217 @@
+"""GEMM with a fused epilogue for a few rows (3..16): the decode linears of a batch, on tensor cores.
+
+    out = act(x @ weight.T + bias) + residual
+
+    x:        (M, K)  M <= 16 rows, unit stride along K, any row stride
+    weight:   (N, K)  nn.Linear layout, read in place through its strides
+    bias:     (N,)
+    residual: (M, N)  any strides
+    out:      (M, N)  contiguous, dtype of x
+
+Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up]) and numerics are those of
+`gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding at the store; its
+epilogue, split-K partials and reduce kernel are reused as they are.
+
+Why a third linear kernel: with a handful of rows a linear is bound by reading the weight once,
+like the GEMV (kernels/gemv.py), but from 4 rows up the GEMV's CUDA-core products set the pace
+(M multiply-adds per weight element). gemm.linear_fwd puts the rows on the tensor cores, but as
+the dot's M side: a 16-row tile is below the 64 rows of a Hopper warpgroup MMA, so it runs the
+older mma.sync path with 16-row tiles of mostly padding. Here the product is computed transposed,
+out.T = weight @ x.T ("swap AB", as cuBLAS's 64x8 decode kernels do): the weight's BLOCK_N rows are
+the MMA's M side (32 rows by default: mma.sync; 64 or more: a warpgroup MMA) and the 16 padded rows
+of x its N side, so the weight streams through the pipelined shared-memory loads (cp.async) of an
+ordinary Triton matmul and every loaded weight element is used once, by one MMA.
+
+Measured in a batch-8 decode step of Llama-1.1B (H100, bench/decode_step_time.py, 2026-11-26):
+1,277 -> 1,226 us, from the gated gate_up (the dispatcher keeps cuBLAS where it is as fast).
+
+Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all rows and the pid_k-th
+of SPLIT_K slices of K; rows past M wrap back into range (never stored), so loads need masks along
+K only, and none when every split holds whole BLOCK_K steps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
+from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _linear_epilogue,
+                                    _store_partials, check_linear_args)
+
+FEW_ROWS_MAX = 16  # the x side of the dot: rows are padded (wrapped) to 16
+_DTYPES = (torch.float16, torch.bfloat16)  # fp32 operands would halve the pipeline: gemm.linear_fwd takes them
+
+
+class FewRowsConfig(NamedTuple):
+    """Weight rows per program (the MMA's M), K step, programs per column block along K, pipeline
+    stages, warps."""
+    block_n: int
+    block_k: int
+    split_k: int
+    num_stages: int
+    num_warps: int
+
+
+# Defaults (H100 SXM, torch 2.11, triton 3.6, fp16, weights from HBM, 2026-11-26;
+# bench/kernels/bench_few_rows.py, bench/results/2026-11-26-*-few-rows-sweep-session15.log): over
+# BLOCK_N 32-128, BLOCK_K 64-256, 3 or 5 stages and splits of 1-8, at 4, 8 and 16 rows:
+# - plain linears: 32 x 256 with 5 stages was best or within 2% of it on every Llama-1.1B and
+#   Llama-7B shape (1.1B down + residual 12.9 us at 8 rows, cuBLAS 14.5; 7B lm_head 99% of copy
+#   bandwidth);
+# - silu_mul (two weight tiles a step): 64 x 128 with 3 stages (1.1B gate_up 18.6 us, cuBLAS and
+#   its eager epilogue 24.7);
+# - split-K lost everywhere, by 5-15%: the reduce launch costs more than the extra programs save,
+#   even where the column blocks give fewer programs than SMs (1.1B o_proj: 32 of them).
+_PLAIN = FewRowsConfig(32, 256, 1, 5, 4)
+_GATED = FewRowsConfig(64, 128, 1, 3, 4)
+_INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
+
+
+def default_config(m: int, n: int, k: int, gated: bool = False) -> FewRowsConfig:
+    """The config for an (m rows, n columns, k) linear, `gated` for "silu_mul" (the interpreter's
+    under TRITON_INTERPRET). The rows do not change it: the x side of the dot is 16 either way."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    return _GATED if gated else _PLAIN
+
+
+def few_rows_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether few_rows_fwd takes this linear: x of 1..16 rows, fp16 or bf16, the weight of x's dtype
+    and device, 2-d."""
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.device == x.device
+            and 0 < rows <= FEW_ROWS_MAX)
+
+
+# M and the workspace strides unspecialised: a new row count or split must not compile another kernel.
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
+def _few_rows_fwd_kernel(
+    x_ptr, stride_x_m,
+    w_ptr, stride_w_n, stride_w_k,
+    bias_ptr, stride_bias,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
+    M, N, K,
+    SPLIT_K,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every split is whole BLOCK_K steps: no K masks
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 16: x's rows, padded
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    k_len = min(K - k_start, k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+
+    # (BLOCK_N, BLOCK_K) weight rows, K-contiguous in nn.Linear's layout: the dot's A operand as
+    # stored. (BLOCK_K, BLOCK_M) of x.T: its B operand.
+    w_ptrs = w_ptr + cols[:, None] * stride_w_n + offs_k[None, :] * stride_w_k
+    w_up_ptrs = w_ptr + (cols + N)[:, None] * stride_w_n + offs_k[None, :] * stride_w_k
+    x_ptrs = x_ptr + rows[None, :] * stride_x_m + offs_k[:, None]
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = acc
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = tl.arange(0, BLOCK_K) < k_len - k
+            xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if _WIDEN_DOT_OPERANDS:
+            xt = xt.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_up_ptrs)
+            else:
+                w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
+            if _WIDEN_DOT_OPERANDS:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(w_up, xt, acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += BLOCK_K * stride_w_k
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+
+    # back to (rows, columns) for gemm.py's epilogue and partials layout
+    acc = tl.trans(acc)
+    acc_up = tl.trans(acc_up) if GATED else acc
+    if SPLIT_K > 1:
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
+    else:
+        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+
+
+_REDUCE_BLOCK_N = 256
+
+
+def few_rows_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    residual: torch.Tensor | None = None,
+    config: FewRowsConfig | tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) + residual for x of at most 16 rows, fp16 or bf16.
+
+    x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
+    (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
+    `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps)` overrides the heuristic.
+    """
+    N = check_linear_args(x, weight, bias, activation, residual)
+    if not few_rows_applies(x, weight):
+        raise ValueError(f"few_rows_fwd takes 1..{FEW_ROWS_MAX} rows of fp16 or bf16, got "
+                         f"{tuple(x.shape)} {x.dtype}: use gemm.linear_fwd")
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if N == 0:
+        return out.view(*lead, N)
+    res2 = residual.reshape(-1, N) if residual is not None else None
+    gated = activation == "silu_mul"
+    conf = FewRowsConfig(*config) if config is not None else default_config(M, N, K, gated)
+    split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
+    epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
+    _few_rows_fwd_kernel[(triton.cdiv(N, conf.block_n), split_k)](
+        x2, x2.stride(0),
+        weight, weight.stride(0), weight.stride(1),
+        *epilogue.args,
+        *epilogue.part_args,
+        M, N, K, split_k,
+        **epilogue.flags,
+        EVEN_K=K % (conf.block_k * split_k) == 0,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_M=FEW_ROWS_MAX, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+        num_stages=conf.num_stages, num_warps=conf.num_warps, **pdl(x2),
+    )
+    epilogue.reduce(FEW_ROWS_MAX, _REDUCE_BLOCK_N)
+    return out.view(*lead, N)

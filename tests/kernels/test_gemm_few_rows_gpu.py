@@ -1,0 +1,64 @@
+"""transfuse.kernels.gemm_few_rows on a GPU at Llama-1.1B's batched-decode sizes (hidden 2048,
+intermediate 5632, fused QKV 2560, vocabulary 32000): the default config at 3, 8 and 16 rows in
+fp16 and bf16, each against an fp32 reference with a tolerance relative to PyTorch's own error in
+the same dtype; explicit configs (split-K, other tiles) on one shape; CUDA-graph replay.
+
+Run: `PYTHONPATH=src python3 -m pytest -q tests/kernels/test_gemm_few_rows_gpu.py`
+"""
+
+import pytest
+import torch
+
+from tests.kernels.linear_cases import assert_within_torch_error_gpu, capture, gpu_problem
+from transfuse.kernels.gemm_few_rows import FewRowsConfig, few_rows_fwd
+
+pytestmark = pytest.mark.gpu
+
+# name: (N, K, activation, has_residual); silu_mul weights have 2N rows
+CASES = {
+    "qkv": (2560, 2048, "none", False),
+    "o_proj+res": (2048, 2048, "none", True),
+    "gate_up+silu_mul": (5632, 2048, "silu_mul", False),
+    "down+res": (2048, 5632, "none", True),
+    "lm_head": (32000, 2048, "none", False),
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("M", [3, 8, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_1b_shapes(case, M, dtype):
+    N, K, act, has_res = CASES[case]
+    args = gpu_problem(M, K, N, act, DTYPES[dtype], False, has_res)
+    assert_within_torch_error_gpu(few_rows_fwd(*args[:3], act, args[3]), args, act)
+
+
+@pytest.mark.parametrize("config", [
+    FewRowsConfig(64, 128, 2, 4, 4),   # split-K with the reduce kernel
+    FewRowsConfig(32, 256, 3, 3, 4),   # K=5632 = 22 steps of 256: splits of 8, 8 and 6
+    FewRowsConfig(128, 64, 1, 5, 4),   # a full warpgroup tile of weight rows
+    FewRowsConfig(64, 256, 1, 3, 8),
+])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu"])
+def test_explicit_configs(config, activation):
+    # N=1000: the last column block is partial; K=5632 with a bias and a residual
+    args = gpu_problem(5, 5632, 1000, activation, torch.float16, True, True)
+    out = few_rows_fwd(*args[:3], activation, args[3], config=config)
+    assert_within_torch_error_gpu(out, args, activation)
+
+
+def test_odd_k_masks_the_tail():
+    # K=1000 is not a multiple of the K step: every program's last step is masked
+    args = gpu_problem(7, 1000, 768, "gelu_tanh", torch.bfloat16, True, True)
+    assert_within_torch_error_gpu(few_rows_fwd(*args[:3], "gelu_tanh", args[3]), args, "gelu_tanh")
+
+
+def test_cuda_graph_replay():
+    """The runtime's order: one eager call (compiles and loads the kernel), then capture and replay."""
+    N, K, act, has_res = CASES["gate_up+silu_mul"]
+    args = gpu_problem(8, K, N, act, torch.float16, False, has_res)
+    few_rows_fwd(*args[:3], act, args[3])
+    torch.cuda.synchronize()
+    out = capture(lambda: few_rows_fwd(*args[:3], act, args[3]))
+    assert_within_torch_error_gpu(out, args, act)
