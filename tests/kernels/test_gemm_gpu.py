@@ -69,12 +69,14 @@ def test_op_dispatched(case, M):
     assert_within_torch_error_gpu(out, args, act)
     key = GemmKey(m_bucket(M), N, K, "float16", act, has_bias, has_res)
     choice = gemm_choices()[key]
-    assert choice.measured and choice.backend in ("triton", "torch", "torch_lt")
+    assert choice.measured and choice.backend in ("triton", "few_rows", "torch", "torch_lt")
     assert "torch" in choice.times_ms
-    # Triton is timed up to TRITON_MAX_ROWS rows only (cuBLAS won every larger bucket measured)
+    # Triton is timed up to TRITON_MAX_ROWS rows only (cuBLAS won every larger bucket measured), the
+    # few-rows kernel up to its 16
     assert any(name.startswith("triton") for name in choice.times_ms) == (key.m_bucket <= gemm_ops.TRITON_MAX_ROWS)
+    assert ("few_rows" in choice.times_ms) == (M <= 16)
     # the rule the dispatcher promises: never the slower of the two by more than the noise margin
-    best_torch = min(t for n, t in choice.times_ms.items() if not n.startswith("triton"))
+    best_torch = min(t for n, t in choice.times_ms.items() if n in ("torch", "torch_lt"))
     chosen = choice.times_ms[f"triton/split_k={choice.split_k}"] if choice.backend == "triton" else \
         choice.times_ms[choice.backend]
     assert chosen <= best_torch

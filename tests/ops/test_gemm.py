@@ -236,6 +236,14 @@ def test_dispatch_reuses_cublas_between_measured_neighbours():
         assert dispatch._settled_by_neighbours(key).backend == "torch"
         dispatch._CHOICES[key._replace(m_bucket=512)] = dispatch.GemmChoice("triton", measured=True)
         assert dispatch._settled_by_neighbours(key) is None
+        # a neighbour won by the few-rows kernel (16 rows) is not cuBLAS winning, and that kernel
+        # takes at most 16 rows: 32 rows are measured, never handed its choice
+        small = key._replace(m_bucket=32)
+        dispatch._CHOICES[small._replace(m_bucket=16)] = dispatch.GemmChoice("few_rows", measured=True,
+                                                                              times_ms={"few_rows": 1.0})
+        dispatch._CHOICES[small._replace(m_bucket=64)] = dispatch.GemmChoice("torch", measured=True,
+                                                                              times_ms={"torch": 2.0})
+        assert dispatch._settled_by_neighbours(small) is None
         large = key._replace(m_bucket=8192)
         dispatch._CHOICES[large._replace(m_bucket=4096)] = dispatch.GemmChoice("torch", measured=True, times_ms={"torch": 3.0})
         assert dispatch._settled_by_neighbours(large).backend == "torch"  # large rows: one side suffices

@@ -352,7 +352,9 @@ def _settled_by_neighbours(key: GemmKey) -> GemmChoice | None:
     below = _CHOICES.get(key._replace(m_bucket=key.m_bucket // 2))
     above = _CHOICES.get(key._replace(m_bucket=key.m_bucket * 2))
     sides = [c for c in (below, above) if c is not None and c.measured]
-    if sides and all(not c.backend.startswith("triton") for c in sides) and (len(sides) == 2 or key.m_bucket > kernels.MID_M_MAX):
+    # cuBLAS's own backends only: a neighbour that chose one of ours ("few_rows" at 16 rows, say) says
+    # nothing about cuBLAS winning, and its kernel may not take this bucket's rows at all.
+    if sides and all(not _ours(c.backend) for c in sides) and (len(sides) == 2 or key.m_bucket > kernels.MID_M_MAX):
         best = min(sides, key=lambda c: c.times_ms.get(c.backend, 0.0))
         return GemmChoice(best.backend, measured=True, note="cuBLAS won on both neighbouring row buckets")
     return None
