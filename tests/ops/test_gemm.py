@@ -190,6 +190,26 @@ def test_triton_timed_only_for_few_rows(measure_all, monkeypatch):
         assert timed_triton == (m_bucket <= gemm_ops.TRITON_MAX_ROWS or measure_all), (m_bucket, seen)
 
 
+@pytest.mark.parametrize("rows,expected", [(1, "gemv"), (2, "gemv"), (3, "few_rows"), (16, "few_rows"), (17, None)])
+def test_decode_kernels_timed_by_row_count(rows, expected, monkeypatch):
+    """The GEMV is a candidate at 1-2 rows, the few-rows tensor-core GEMM at 3-16 (16-bit), neither
+    above; when one of them is fastest by the margin it is the choice, and the op runs it."""
+    times = {}
+
+    def fake_times(candidates, device):
+        times.update({name: (0.5 if name in ("gemv", "few_rows") else 1.0) for name in candidates})
+        return dict(times)
+
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", fake_times)
+    x = torch.randn(rows, 40).half()
+    w = (torch.randn(24, 40) * 40**-0.5).half()
+    key = GemmKey(gemm_ops._rows_key(rows), 24, 40, "float16", "none", False, False)
+    choice = gemm_ops._measure(key, x, w, None, "none", None)
+    ours = {n for n in times if n in ("gemv", "few_rows")}
+    assert ours == ({expected} if expected else set())
+    assert choice.backend == (expected or "torch")
+
+
 def test_measure_falls_back_when_triton_fails(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")
