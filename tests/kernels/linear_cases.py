@@ -7,6 +7,17 @@ import torch
 
 from transfuse.reference.gemm import linear_ref
 
+# Llama-1.1B's decode linears, the GPU tests' shapes: name -> (N, K, activation, has_residual);
+# silu_mul weights have 2N rows
+LLAMA_1B_DECODE = {
+    "qkv": (2560, 2048, "none", False),
+    "o_proj+res": (2048, 2048, "none", True),
+    "gate_up+silu_mul": (5632, 2048, "silu_mul", False),
+    "down+res": (2048, 5632, "none", True),
+    "lm_head": (32000, 2048, "none", False),
+}
+GPU_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 # the GPU tests' atol per dtype, added to twice torch's own max error
 GPU_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 

@@ -9,20 +9,13 @@ Run: `PYTHONPATH=src python3 -m pytest -q tests/kernels/test_gemv_gpu.py`
 import pytest
 import torch
 
-from tests.kernels.linear_cases import assert_within_torch_error_gpu, capture, gpu_problem
+from tests.kernels.linear_cases import (GPU_DTYPES, LLAMA_1B_DECODE, assert_within_torch_error_gpu, capture,
+                                        gpu_problem)
 from transfuse.kernels.gemv import GemvConfig, gemv_configs, gemv_fwd
 
 pytestmark = pytest.mark.gpu
 
-# name: (N, K, activation, has_residual); silu_mul weights have 2N rows
-CASES = {
-    "qkv": (2560, 2048, "none", False),
-    "o_proj+res": (2048, 2048, "none", True),
-    "gate_up+silu_mul": (5632, 2048, "silu_mul", False),
-    "down+res": (2048, 5632, "none", True),
-    "lm_head": (32000, 2048, "none", False),
-}
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CASES, DTYPES = LLAMA_1B_DECODE, GPU_DTYPES
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))

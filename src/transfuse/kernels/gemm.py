@@ -268,6 +268,28 @@ def _store_partials(
         tl.store(part_ptrs + N, acc_up, mask=mask)
 
 
+@triton.jit
+def _finish_tile(
+    acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k,
+    bias_ptr, stride_bias,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    part_ptr, stride_part_split, stride_part_m,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """The end of a main kernel's (rows, columns) tile: its fp32 partials when split along K (the
+    reduce kernel runs the epilogue), else the epilogue. A runtime branch, not a constexpr: split
+    and unsplit launches share one compiled kernel. The decode kernels' tail (gemv, gemv_kmajor,
+    gemm_few_rows); linear_fwd's own also splits big epilogues in halves."""
+    if SPLIT_K > 1:
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k,
+                        ACTIVATION == "silu_mul")
+    else:
+        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+
+
 # Unspecialised: a new row count or split (or the unsplit launch's dummy partials) must not compile
 # another kernel, which Triton's specialisation of ints on ==1 and on divisibility by 16 would do.
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K", "stride_part_split", "stride_part_m"])

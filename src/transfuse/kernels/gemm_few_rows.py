@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
-from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _linear_epilogue,
-                                    _store_partials, check_linear_args)
+from transfuse.kernels.gemm import _WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile, check_linear_args
 
 FEW_ROWS_MAX = 16  # the x side of the dot: rows are padded (wrapped) to 16
 _DTYPES = (torch.float16, torch.bfloat16)  # fp32 operands would halve the pipeline: gemm.linear_fwd takes them
@@ -158,12 +157,9 @@ def _few_rows_fwd_kernel(
     # back to (rows, columns) for gemm.py's epilogue and partials layout
     acc = tl.trans(acc)
     acc_up = tl.trans(acc_up) if GATED else acc
-    if SPLIT_K > 1:
-        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
-    else:
-        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
-                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+    _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
+                 res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                 part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
 _REDUCE_BLOCK_N = 256

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from transfuse.kernels import gemv_kmajor
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
-from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials, check_linear_args
+from transfuse.kernels.gemm import EpilogueOperands, _finish_tile, check_linear_args
 from transfuse.kernels.norm import _round_to
 from transfuse.kernels.norm_prologue import NormPrologue, launch_args
 
@@ -324,13 +324,10 @@ def _gemv_fwd_kernel(
     else:
         acc_up = acc
 
-    if SPLIT_K > 1:
-        # fp32 partials in gemm.py's reduce layout; its reduce kernel runs the epilogue
-        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
-    else:
-        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
-                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+    # split: fp32 partials in gemm.py's reduce layout, whose reduce kernel runs the epilogue
+    _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
+                 res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                 part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
 # -------------------------------------------------------------------------------------------------

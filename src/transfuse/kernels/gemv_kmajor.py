@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
-from transfuse.kernels.gemm import EpilogueOperands, _linear_epilogue, _store_partials
+from transfuse.kernels.gemm import EpilogueOperands, _finish_tile
 from transfuse.kernels.norm import _round_to
 from transfuse.kernels.norm_prologue import launch_args
 
@@ -254,12 +254,9 @@ def _gemv_kmajor_kernel(
         if GATED:
             acc_up = tl.sum(acc0_up, axis=1)
 
-    if SPLIT_K > 1:
-        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
-    else:
-        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
-                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+    _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
+                 res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                 part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
 def gemv_kmajor_fwd(
