@@ -1,4 +1,5 @@
-"""GEMM with a fused epilogue for a few rows (3..16): the decode linears of a batch, on tensor cores.
+"""GEMM with a fused epilogue for a few rows (up to 16; transfuse.linear times it from 3): the decode
+linears of a batch, on tensor cores.
 
     out = act(x @ weight.T + bias) + residual
 
@@ -64,7 +65,8 @@ class FewRowsConfig(NamedTuple):
 # - silu_mul (two weight tiles a step): 64 x 128 with 3 stages (1.1B gate_up 18.6 us, cuBLAS and
 #   its eager epilogue 24.7);
 # - split-K lost everywhere, by 5-15%: the reduce launch costs more than the extra programs save,
-#   even where the column blocks give fewer programs than SMs (1.1B o_proj: 32 of them).
+#   even where the column blocks give fewer programs than SMs (1.1B o_proj: 64 blocks of 32
+#   columns on 132 SMs).
 _PLAIN = FewRowsConfig(32, 256, 1, 5, 4)
 _GATED = FewRowsConfig(64, 128, 1, 3, 4)
 _INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
