@@ -92,7 +92,7 @@ def test_applies():
 def test_defaults_fit_shared_memory(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     for gated in (False, True):
-        conf = kernels.default_config(8, 2048, 5632, gated)
+        conf = kernels.default_config(gated)
         rows = 2 * conf.block_n if gated else conf.block_n
         assert conf.split_k == 1
         assert conf.num_stages * (rows + FEW_ROWS_MAX) * conf.block_k * 2 <= 200 * 1024

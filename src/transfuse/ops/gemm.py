@@ -259,9 +259,12 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
             lambda split=split: kernels.linear_fwd(x, weight, bias, activation, residual, split_k=split, tile=tile))
 
     if M <= gemv.GEMV_FAST_M_MAX and gemv.gemv_applies(x, weight, max_rows=gemv.GEMV_FAST_M_MAX):
-        candidates["gemv"] = lambda: gemv.gemv_fwd(x, weight, bias, activation, residual)
+        decode = "gemv"
     elif gemm_few_rows.few_rows_applies(x, weight):
-        candidates["few_rows"] = lambda: gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual)
+        decode = "few_rows"
+    else:
+        return candidates, tile
+    candidates[decode] = lambda: _DECODE_KERNELS[decode](x, weight, bias, activation, residual)
     return candidates, tile
 
 
@@ -295,14 +298,18 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     best_torch = min((n for n in times if not _ours(n)), key=times.get)
     best_triton = min((n for n in times if _ours(n)), key=times.get, default=None)
     if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
-        if best_triton in ("gemv", "few_rows"):
+        if best_triton in _DECODE_KERNELS:
             return GemmChoice(best_triton, measured=True, times_ms=times, note=note)
         return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), tile=tile, measured=True, times_ms=times, note=note)
     return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
 
 
+# Our decode-size kernels, each a backend and a candidate of its own (no split or tile to choose).
+_DECODE_KERNELS = {"gemv": gemv.gemv_fwd, "few_rows": gemm_few_rows.few_rows_fwd}
+
+
 def _ours(candidate: str) -> bool:
-    return candidate.startswith("triton") or candidate in ("gemv", "few_rows")
+    return candidate.startswith("triton") or candidate in _DECODE_KERNELS
 
 
 def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
@@ -384,10 +391,8 @@ def linear_dispatch(x, weight, bias, activation: str, residual) -> torch.Tensor:
     choice = _choose(x, weight, bias, activation, residual, n_out)
     if choice.backend == "triton":
         return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k, tile=choice.tile)
-    if choice.backend == "gemv":
-        return gemv.gemv_fwd(x, weight, bias, activation, residual)
-    if choice.backend == "few_rows":
-        return gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual)
+    if choice.backend in _DECODE_KERNELS:
+        return _DECODE_KERNELS[choice.backend](x, weight, bias, activation, residual)
     return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")
 
 
