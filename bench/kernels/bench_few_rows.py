@@ -12,11 +12,9 @@ first). GB/s: weight + x + out (+ residual) bytes over the time, against the cop
 measured in the same run.
 """
 
-import argparse
 import datetime
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -25,7 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_gemv import DTYPES, SHAPES, copy_gbps, graph_us, torch_linear  # noqa: E402
+from bench_gemv import device_header, graph_us, parse_sweep_args, sweep_problems, torch_linear  # noqa: E402
 
 
 def sweep_configs(gated: bool, k: int, elem: int) -> list[tuple]:
@@ -46,77 +44,48 @@ def main():
     from transfuse.kernels import gemm as gemm_kernels
     from transfuse.kernels.gemm_few_rows import default_config, few_rows_fwd
     from transfuse.kernels.gemv import gemv_fwd
-    from transfuse.reference.gemm import linear_ref
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", default="8", help="row counts, comma-separated (<= 16)")
-    parser.add_argument("--models", default="1.1b", help="which of llama-1.1b, llama-7b")
-    parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--json", help="write every measurement to this file")
-    args = parser.parse_args()
-    ms = [int(m) for m in args.m.split(",")]
-    models = {f"llama-{m.strip().lower().removeprefix('llama-')}" for m in args.models.split(",")}
-    dtype = DTYPES[args.dtype]
-    elem = torch.finfo(dtype).bits // 8
-
+    args, ms, models, dtype, elem = parse_sweep_args(__doc__, m="8", models="1.1b", reps=30)
     t_start = time.time()
-    props = torch.cuda.get_device_properties(0)
-    l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
-    copy_bw = copy_gbps()
-    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.date.today().isoformat()}, {args.dtype}; copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    props, l2_bytes, copy_bw = device_header(args.dtype)
     results = []
-    for model, layer, N, K, act, has_res in SHAPES:
-        if model not in models:
-            continue
-        gated = act == "silu_mul"
-        rows = 2 * N if gated else N
-        w_bytes = rows * K * elem
-        copies = max(8, math.ceil(3 * l2_bytes / w_bytes))
-        weights = [(torch.randn(rows, K, device="cuda", generator=gen) * K**-0.5).to(dtype) for _ in range(copies)]
-        for M in ms:
-            x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
-            r = torch.randn(M, N, device="cuda", generator=gen).to(dtype) if has_res else None
-            gold = linear_ref(x, weights[0], None, act, r, upcast=True)
-            moved = w_bytes + (M * K + M * N * (2 if has_res else 1)) * elem
-            tile = gemm_kernels.fixed_tile(M, gated, elem)
-            candidates = {"torch": lambda i: torch_linear(x, weights[i], act, r)}
-            for split in sorted({1, gemm_kernels.default_split_k(M, N, K, x.device)}):
-                candidates[f"gemm/split{split}"] = (
-                    lambda i, s=split: gemm_kernels.linear_fwd(x, weights[i], None, act, r, split_k=s, tile=tile))
-            candidates["gemv"] = lambda i: gemv_fwd(x, weights[i], None, act, r)
-            heuristic = tuple(default_config(M, N, K, gated))
-            configs = sweep_configs(gated, K, elem)
-            if heuristic not in configs:
-                configs.append(heuristic)
-            for conf in configs:
-                candidates[str(conf)] = lambda i, c=conf: few_rows_fwd(x, weights[i], None, act, r, config=c)
-            times = {}
-            for name, fn in candidates.items():
-                try:
-                    err = ((fn(0).float() - gold).norm() / gold.norm()).item()
-                    if not err < 1e-2:
-                        raise AssertionError(f"relative error {err:.3g}")
-                    times[name] = graph_us(fn, copies, args.reps)
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is reported, not fatal
-                    print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            few = [str(c) for c in configs if str(c) in times]
-            best = min(few, key=times.get)
-            base = min((n for n in times if not n.startswith("(")), key=times.get)
-            row = dict(model=model, layer=layer, N=N, K=K, M=M, activation=act, residual=has_res, bytes=moved,
-                       times_us=times, heuristic=str(heuristic), best=best, best_other=base)
-            results.append(row)
-            top = sorted(few, key=times.get)[:5]
-            print(f"{model} {layer:16s} M={M:2d} torch {times.get('torch', float('nan')):6.1f} "
-                  f"gemm {min(times.get(n, 1e9) for n in times if n.startswith('gemm')):6.1f} "
-                  f"gemv {times.get('gemv', float('nan')):6.1f} | few heuristic {times.get(str(heuristic), float('nan')):6.1f} "
-                  f"best {times[best]:6.1f} us {moved / times[best] / 1e3:5.0f} GB/s "
-                  f"({100 * moved / times[best] / 1e3 / copy_bw:3.0f}% copy) {best}", flush=True)
-            print("      top: " + "  ".join(f"{n}={times[n]:.1f}" for n in top), flush=True)
-        weights.clear()
-        torch.cuda.empty_cache()
+    for p in sweep_problems(models, ms, dtype, l2_bytes):
+        model, layer, N, K, act, has_res, M, x, weights, r, gold, moved = p
+        copies, gated = len(weights), act == "silu_mul"
+        tile = gemm_kernels.fixed_tile(M, gated, elem)
+        candidates = {"torch": lambda i: torch_linear(x, weights[i], act, r)}
+        for split in sorted({1, gemm_kernels.default_split_k(M, N, K, x.device)}):
+            candidates[f"gemm/split{split}"] = (
+                lambda i, s=split: gemm_kernels.linear_fwd(x, weights[i], None, act, r, split_k=s, tile=tile))
+        candidates["gemv"] = lambda i: gemv_fwd(x, weights[i], None, act, r)
+        heuristic = tuple(default_config(gated))
+        configs = sweep_configs(gated, K, elem)
+        if heuristic not in configs:
+            configs.append(heuristic)
+        for conf in configs:
+            candidates[str(conf)] = lambda i, c=conf: few_rows_fwd(x, weights[i], None, act, r, config=c)
+        times = {}
+        for name, fn in candidates.items():
+            try:
+                err = ((fn(0).float() - gold).norm() / gold.norm()).item()
+                if not err < 1e-2:
+                    raise AssertionError(f"relative error {err:.3g}")
+                times[name] = graph_us(fn, copies, args.reps)
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is reported, not fatal
+                print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        few = [str(c) for c in configs if str(c) in times]
+        best = min(few, key=times.get)
+        base = min((n for n in times if not n.startswith("(")), key=times.get)
+        row = dict(model=model, layer=layer, N=N, K=K, M=M, activation=act, residual=has_res, bytes=moved,
+                   times_us=times, heuristic=str(heuristic), best=best, best_other=base)
+        results.append(row)
+        top = sorted(few, key=times.get)[:5]
+        print(f"{model} {layer:16s} M={M:2d} torch {times.get('torch', float('nan')):6.1f} "
+              f"gemm {min(times.get(n, 1e9) for n in times if n.startswith('gemm')):6.1f} "
+              f"gemv {times.get('gemv', float('nan')):6.1f} | few heuristic {times.get(str(heuristic), float('nan')):6.1f} "
+              f"best {times[best]:6.1f} us {moved / times[best] / 1e3:5.0f} GB/s "
+              f"({100 * moved / times[best] / 1e3 / copy_bw:3.0f}% copy) {best}", flush=True)
+        print("      top: " + "  ".join(f"{n}={times[n]:.1f}" for n in top), flush=True)
     print(f"({time.time() - t_start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

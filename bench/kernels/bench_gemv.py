@@ -29,6 +29,8 @@ import math
 import statistics
 import time
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -104,33 +106,58 @@ def cfg_str(conf) -> str:
     return "(" + ",".join(str(v) for v in conf) + ")"
 
 
-def main():
-    from transfuse.kernels.gemm import linear_fwd
-    from transfuse.kernels.gemv import _num_sms, default_config, gemv_configs, gemv_fwd
-    from transfuse.reference.gemm import linear_ref
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", default="1,2,8,16", help="row counts, comma-separated (<= 16)")
-    parser.add_argument("--models", default="1.1b,7b", help="which of llama-1.1b, llama-7b")
+def parse_sweep_args(doc: str, m: str, models: str, reps: int):
+    """The decode-linear sweeps' command line (this script's and bench_few_rows.py's), with their
+    defaults: (args, row counts, model names, dtype, element size)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--m", default=m, help="row counts, comma-separated (<= 16)")
+    parser.add_argument("--models", default=models, help="which of llama-1.1b, llama-7b")
     parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--json", help="write every measurement to this file")
     args = parser.parse_args()
-    ms = [int(m) for m in args.m.split(",")]
-    models = {f"llama-{m.strip().lower().removeprefix('llama-')}" for m in args.models.split(",")}
+    ms = [int(r) for r in args.m.split(",")]
+    names = {f"llama-{n.strip().lower().removeprefix('llama-')}" for n in args.models.split(",")}
     dtype = DTYPES[args.dtype]
-    elem = torch.finfo(dtype).bits // 8
+    return args, ms, names, dtype, torch.finfo(dtype).bits // 8
 
-    t_start = time.time()
+
+def device_header(dtype_name: str):
+    """Prints the GPU, versions, date, dtype, copy bandwidth and L2 size; returns (properties, L2
+    bytes, copy bandwidth in GB/s)."""
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
     copy_bw = copy_gbps()
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.date.today().isoformat()}, {args.dtype}; copy bandwidth {copy_bw:.0f} GB/s, "
-          f"L2 {l2_bytes / 2**20:.0f} MiB")
+          f"{datetime.date.today().isoformat()}, {dtype_name}; copy bandwidth {copy_bw:.0f} GB/s, "
+          f"L2 {l2_bytes / 2**20:.0f} MiB", flush=True)
+    return props, l2_bytes, copy_bw
 
+
+class Problem(NamedTuple):
+    """One linear of SHAPES at M rows: x, its weight copies (every call reads one from HBM), the
+    residual or None, the fp32 reference output and the bytes a call must move."""
+    model: str
+    layer: str
+    N: int
+    K: int
+    act: str
+    has_res: bool
+    M: int
+    x: torch.Tensor
+    weights: list
+    r: torch.Tensor | None
+    gold: torch.Tensor
+    moved: int
+
+
+def sweep_problems(models: set, ms: list, dtype: torch.dtype, l2_bytes: int):
+    """The decode-linear sweeps' problems, shape by shape and then row count by row count, from one
+    seeded generator; a shape's weight copies are freed before the next shape's are made."""
+    from transfuse.reference.gemm import linear_ref
+
+    elem = torch.finfo(dtype).bits // 8
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = []
     for model, layer, N, K, act, has_res in SHAPES:
         if model not in models:
             continue
@@ -144,40 +171,55 @@ def main():
             r = torch.randn(M, N, device="cuda", generator=gen).to(dtype) if has_res else None
             gold = linear_ref(x, weights[0], None, act, r, upcast=True)
             moved = w_bytes + (M * K + M * N * (2 if has_res else 1)) * elem
-
-            def checked(fn, name):
-                err = ((fn(0).float() - gold).norm() / gold.norm()).item()
-                if not err < 1e-2:
-                    raise AssertionError(f"{model} {layer} M={M} {name}: relative error {err:.3g}")
-
-            candidates = {
-                "torch": lambda i: torch_linear(x, weights[i], act, r),
-                "triton": lambda i: linear_fwd(x, weights[i], None, act, r),
-            }
-            chosen = default_config(M, N, K, _num_sms(x.device), act == "silu_mul")
-            sweep = list(gemv_configs(M, act == "silu_mul"))
-            if chosen not in sweep:
-                sweep.append(chosen)
-            for conf in sweep:
-                candidates[cfg_str(conf)] = lambda i, conf=conf: gemv_fwd(x, weights[i], None, act, r, config=conf)
-            times = {}
-            for name, fn in candidates.items():
-                checked(fn, name)
-                times[name] = graph_us(fn, copies, args.reps)
-            gemv_names = [cfg_str(conf) for conf in sweep]
-            best = min(gemv_names, key=times.get)
-            row = dict(model=model, layer=layer, N=N, K=K, M=M, activation=act, residual=has_res,
-                       bytes=moved, copies=copies, times_us=times, heuristic=cfg_str(chosen), best=best)
-            results.append(row)
-            gbps = {name: moved / t / 1e3 for name, t in times.items()}
-            print(f"{model:10s} {layer:16s} N={N:5d} K={K:5d} M={M:2d}  "
-                  f"torch {times['torch']:6.1f} us {gbps['torch']:5.0f} GB/s | "
-                  f"triton {times['triton']:6.1f} | gemv {times[cfg_str(chosen)]:6.1f} {cfg_str(chosen)} | "
-                  f"best {times[best]:6.1f} us {gbps[best]:5.0f} GB/s ({100 * gbps[best] / copy_bw:3.0f}% of copy) "
-                  f"{best}", flush=True)
-            print("      sweep: " + "  ".join(f"{n}={times[n]:.1f}" for n in gemv_names), flush=True)
+            yield Problem(model, layer, N, K, act, has_res, M, x, weights, r, gold, moved)
         weights.clear()  # free this shape's copies before the next shape's
         torch.cuda.empty_cache()
+
+
+def main():
+    from transfuse.kernels.gemm import linear_fwd
+    from transfuse.kernels.gemv import _num_sms, default_config, gemv_configs, gemv_fwd
+
+    args, ms, models, dtype, _ = parse_sweep_args(__doc__, m="1,2,8,16", models="1.1b,7b", reps=50)
+    t_start = time.time()
+    props, l2_bytes, copy_bw = device_header(args.dtype)
+
+    results = []
+    for p in sweep_problems(models, ms, dtype, l2_bytes):
+        model, layer, N, K, act, has_res, M, x, weights, r, gold, moved = p
+        copies = len(weights)
+
+        def checked(fn, name):
+            err = ((fn(0).float() - gold).norm() / gold.norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"{model} {layer} M={M} {name}: relative error {err:.3g}")
+
+        candidates = {
+            "torch": lambda i: torch_linear(x, weights[i], act, r),
+            "triton": lambda i: linear_fwd(x, weights[i], None, act, r),
+        }
+        chosen = default_config(M, N, K, _num_sms(x.device), act == "silu_mul")
+        sweep = list(gemv_configs(M, act == "silu_mul"))
+        if chosen not in sweep:
+            sweep.append(chosen)
+        for conf in sweep:
+            candidates[cfg_str(conf)] = lambda i, conf=conf: gemv_fwd(x, weights[i], None, act, r, config=conf)
+        times = {}
+        for name, fn in candidates.items():
+            checked(fn, name)
+            times[name] = graph_us(fn, copies, args.reps)
+        gemv_names = [cfg_str(conf) for conf in sweep]
+        best = min(gemv_names, key=times.get)
+        row = dict(model=model, layer=layer, N=N, K=K, M=M, activation=act, residual=has_res,
+                   bytes=moved, copies=copies, times_us=times, heuristic=cfg_str(chosen), best=best)
+        results.append(row)
+        gbps = {name: moved / t / 1e3 for name, t in times.items()}
+        print(f"{model:10s} {layer:16s} N={N:5d} K={K:5d} M={M:2d}  "
+              f"torch {times['torch']:6.1f} us {gbps['torch']:5.0f} GB/s | "
+              f"triton {times['triton']:6.1f} | gemv {times[cfg_str(chosen)]:6.1f} {cfg_str(chosen)} | "
+              f"best {times[best]:6.1f} us {gbps[best]:5.0f} GB/s ({100 * gbps[best] / copy_bw:3.0f}% of copy) "
+              f"{best}", flush=True)
+        print("      sweep: " + "  ".join(f"{n}={times[n]:.1f}" for n in gemv_names), flush=True)
 
     print(f"\nus per call ({args.dtype}, weights from HBM); GB/s and % of the {copy_bw:.0f} GB/s copy "
           f"bandwidth for gemv's best config; x = torch time / gemv (heuristic) time")
