@@ -33,17 +33,24 @@ step = kern[a + 1: b + 1]
 span = step[-1].time_range.end - kern[a].time_range.end
 busy = sum(e.time_range.end - e.time_range.start for e in step)
 print(f"one step: {len(step)} kernels, span {span:.1f} us, kernel time {busy:.1f} us")
-layer = ("gemv", "qkv_rotary", "_attention_fwd")
-counts = collections.Counter()
+# By kernel name over the step: calls, total time, and the idle time before them (launch gaps).
+rows = collections.defaultdict(lambda: [0, 0.0, 0.0])
 prev_end = kern[a].time_range.end
 for e in step:
-    d = e.time_range.end - e.time_range.start
-    gap = e.time_range.start - prev_end
+    row = rows[e.name[:70]]
+    row[0] += 1
+    row[1] += e.time_range.end - e.time_range.start
+    row[2] += e.time_range.start - prev_end
     prev_end = e.time_range.end
-    name = e.name[:90]
-    if any(k in e.name for k in layer):
-        counts[name[:40]] += 1
-        continue
-    print(f"  {d:7.2f} us  (gap {gap:5.2f})  {name}")
-for k, v in counts.items():
-    print(f"  layer kernel x{v}: {k}")
+print(f"{'calls':>5} {'total us':>9} {'mean us':>8} {'gaps us':>8}  kernel")
+for name, (n, tot, gaps) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+    print(f"{n:5d} {tot:9.1f} {tot / n:8.2f} {gaps:8.1f}  {name}")
+print(f"total gaps {span - busy:.1f} us")
+# The second layer in order (its kernels sit between the first and second attention launches' successors).
+attn = [i for i, e in enumerate(step) if "_attention_fwd" in e.name or "attention_decode" in e.name]
+if len(attn) >= 3:
+    print("one layer in order:")
+    prev_end = step[attn[0]].time_range.end
+    for e in step[attn[0] + 1: attn[1] + 1]:
+        print(f"  {e.time_range.end - e.time_range.start:7.2f} us  (gap {e.time_range.start - prev_end:5.2f})  {e.name[:80]}")
+        prev_end = e.time_range.end
