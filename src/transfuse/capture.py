@@ -45,6 +45,7 @@ class _State:
         self.static_cache = None
         self.static_cache_reason: str | None = None
         self.decode_loop = None  # generate()'s greedy/sampling loop (runtime/decode_loop.py)
+        self.generation_config_memo = None  # generate()'s merged config kept (runtime/generation_config_memo.py)
         self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
         self.empty_calls = 0  # calls with an empty input tensor whose trace failed: they ran as written
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()

@@ -567,10 +567,12 @@ def attention_mask_summary_fwd(mask: torch.Tensor, seqlen_q: int, seqlen_k: int)
     # Fewer query rows than a summary block (a decode step's one): one block, read as a tile of
     # just those rows (the same summary). One warp then holds the tile, so the per-block reductions
     # need no shared memory or barriers: a decode step's summary took 9.4 us at 128 rows, 8 warps.
-    rows = SUMMARY_BLOCK_M if seqlen_q >= SUMMARY_BLOCK_M else max(16, next_power_of_2(seqlen_q))
-    # A decode step's summary walks the whole cache: one round trip to memory per iteration, so 4 key
-    # blocks per iteration (a 256-key cache in one; 6.2 us a step at 4 iterations, H100).
-    group = 4 if rows == 16 else 1
+    decode = seqlen_q < SUMMARY_BLOCK_M
+    rows = next_power_of_2(seqlen_q) if decode else SUMMARY_BLOCK_M
+    # A decode step's summary walks the whole cache: one round trip to memory per iteration, so up to
+    # 4096 mask entries per iteration (a 1,024-key cache in one at one query row). The tile has only
+    # the rows that exist: padded to 16, a one-row step's 256-key summary took 9 us (H100, 2026-11-26).
+    group = min(64 // rows, next_power_of_2(num_cols - 1)) if decode and rows <= 16 else 1
     _attention_mask_summary_kernel[grid](
         mask, stride_mb, stride_mh, stride_mq, stride_mk,
         summary, summary.stride(0), summary.stride(1), summary.stride(2),
@@ -580,7 +582,7 @@ def attention_mask_summary_fwd(mask: torch.Tensor, seqlen_q: int, seqlen_k: int)
         BLOCK_N=SUMMARY_BLOCK_N,
         GROUP=group,
         # 8 warps: a 128 x 64 tile and its per-row reductions spill at 4 (ptxas, sm_90).
-        num_warps=8 if rows == SUMMARY_BLOCK_M else 1 if rows == 16 else 4,
+        num_warps=8 if rows == SUMMARY_BLOCK_M else 1 if rows <= 16 else 4,
         num_stages=1,
         **pdl(mask),
     )

@@ -26,6 +26,7 @@ import torch
 
 from transfuse.runtime.decode_loop import DecodeLoop
 from transfuse.runtime.generation_check import cached_generation_check
+from transfuse.runtime.generation_config_memo import GenerationConfigMemo
 
 STATIC = "static"
 # Cache lengths are rounded up to a multiple of this, so that calls asking for a few more tokens
@@ -292,9 +293,13 @@ def _install_decode_loop(model: torch.nn.Module, state, reuse: StaticCacheReuse)
                "_transfuse_class_of": cls}
     hf_prepare_config = getattr(cls, "_prepare_generation_config", None)
     if hf_prepare_config is not None:
+        memo = state.generation_config_memo = GenerationConfigMemo(hf_prepare_config)
+
         def _prepare_generation_config(self, generation_config=None, **kwargs):
             # The legacy-options check without its per-call default config (runtime/generation_check.py)
             with cached_generation_check(self.config if generation_config is None else None):
+                if generation_config is None and memo.applies:
+                    return memo(self, kwargs)  # the merge with model.generation_config kept (generation_config_memo.py)
                 return hf_prepare_config(self, generation_config, **kwargs)
 
         members["_prepare_generation_config"] = _prepare_generation_config
