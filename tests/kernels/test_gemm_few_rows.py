@@ -27,7 +27,7 @@ def test_every_epilogue(activation, dtype, atol, has_bias, has_residual):
     assert_within_torch_error(few_rows_fwd(*args[:3], activation, args[3]), args, activation, atol)
 
 
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 32])
 @pytest.mark.parametrize("K", [24, 100])
 @pytest.mark.parametrize("N", [5, 40])
 def test_shapes(M, K, N):
@@ -82,7 +82,8 @@ def test_applies():
     w = torch.randn(40, 100).half()
     assert few_rows_applies(torch.randn(16, 100).half(), w)
     assert few_rows_applies(torch.randn(2, 8, 100).half(), w)
-    assert not few_rows_applies(torch.randn(17, 100).half(), w)
+    assert few_rows_applies(torch.randn(2, 16, 100).half(), w)
+    assert not few_rows_applies(torch.randn(33, 100).half(), w)
     assert not few_rows_applies(torch.randn(0, 100).half(), w)
     assert not few_rows_applies(torch.randn(3, 99).half(), w)
     assert not few_rows_applies(torch.randn(3, 100), w.float())

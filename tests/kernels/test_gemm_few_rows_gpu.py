@@ -1,5 +1,5 @@
 """transfuse.kernels.gemm_few_rows on a GPU at Llama-1.1B's batched-decode sizes (hidden 2048,
-intermediate 5632, fused QKV 2560, vocabulary 32000): the default config at 3, 8 and 16 rows in
+intermediate 5632, fused QKV 2560, vocabulary 32000): the default config at 3, 8, 16 and 32 rows in
 fp16 and bf16, each against an fp32 reference with a tolerance relative to PyTorch's own error in
 the same dtype; explicit configs (split-K, other tiles) on one shape; CUDA-graph replay.
 
@@ -19,7 +19,7 @@ CASES, DTYPES = LLAMA_1B_DECODE, GPU_DTYPES
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-@pytest.mark.parametrize("M", [3, 8, 16])
+@pytest.mark.parametrize("M", [3, 8, 16, 32])
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_1b_shapes(case, M, dtype):
     N, K, act, has_res = CASES[case]

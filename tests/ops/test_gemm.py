@@ -190,9 +190,10 @@ def test_triton_timed_only_for_few_rows(measure_all, monkeypatch):
         assert timed_triton == (m_bucket <= gemm_ops.TRITON_MAX_ROWS or measure_all), (m_bucket, seen)
 
 
-@pytest.mark.parametrize("rows,expected", [(1, "gemv"), (2, "gemv"), (3, "few_rows"), (16, "few_rows"), (17, None)])
+@pytest.mark.parametrize("rows,expected", [(1, "gemv"), (2, "gemv"), (3, "few_rows"), (16, "few_rows"),
+                                           (32, "few_rows"), (33, None)])
 def test_decode_kernels_timed_by_row_count(rows, expected, monkeypatch):
-    """The GEMV is a candidate at 1-2 rows, the few-rows tensor-core GEMM at 3-16 (16-bit), neither
+    """The GEMV is a candidate at 1-2 rows, the few-rows tensor-core GEMM at 3-32 (16-bit), neither
     above; when one of them is fastest by the margin it is the choice, and the op runs it."""
     times = {}
 
@@ -256,12 +257,12 @@ def test_dispatch_reuses_cublas_between_measured_neighbours():
         assert dispatch._settled_by_neighbours(key).backend == "torch"
         dispatch._CHOICES[key._replace(m_bucket=512)] = dispatch.GemmChoice("triton", measured=True)
         assert dispatch._settled_by_neighbours(key) is None
-        # a neighbour won by the few-rows kernel (16 rows) is not cuBLAS winning, and that kernel
-        # takes at most 16 rows: 32 rows are measured, never handed its choice
-        small = key._replace(m_bucket=32)
-        dispatch._CHOICES[small._replace(m_bucket=16)] = dispatch.GemmChoice("few_rows", measured=True,
+        # a neighbour won by the few-rows kernel (32 rows) is not cuBLAS winning, and that kernel
+        # takes at most 32 rows: 64 rows are measured, never handed its choice
+        small = key._replace(m_bucket=64)
+        dispatch._CHOICES[small._replace(m_bucket=32)] = dispatch.GemmChoice("few_rows", measured=True,
                                                                               times_ms={"few_rows": 1.0})
-        dispatch._CHOICES[small._replace(m_bucket=64)] = dispatch.GemmChoice("torch", measured=True,
+        dispatch._CHOICES[small._replace(m_bucket=128)] = dispatch.GemmChoice("torch", measured=True,
                                                                               times_ms={"torch": 2.0})
         assert dispatch._settled_by_neighbours(small) is None
         large = key._replace(m_bucket=8192)

@@ -1,9 +1,9 @@
-"""GEMM with a fused epilogue for a few rows (up to 16; transfuse.linear times it from 3): the decode
-linears of a batch, on tensor cores.
+"""GEMM with a fused epilogue for a few rows (up to 32; transfuse.linear times it from 3): the decode
+linears of a batch and short prompts' prefill, on tensor cores.
 
     out = act(x @ weight.T + bias) + residual
 
-    x:        (M, K)  M <= 16 rows, unit stride along K, any row stride
+    x:        (M, K)  M <= 32 rows, unit stride along K, any row stride
     weight:   (N, K)  nn.Linear layout, read in place through its strides
     bias:     (N,)
     residual: (M, N)  any strides
@@ -19,9 +19,9 @@ like the GEMV (kernels/gemv.py), but from 4 rows up the GEMV's CUDA-core product
 the dot's M side: a 16-row tile is below the 64 rows of a Hopper warpgroup MMA, so it runs the
 older mma.sync path with 16-row tiles of mostly padding. Here the product is computed transposed,
 out.T = weight @ x.T ("swap AB", as cuBLAS's 64x8 decode kernels do): the weight's BLOCK_N rows are
-the MMA's M side (32 rows by default: mma.sync; 64 or more: a warpgroup MMA) and the 16 padded rows
-of x its N side, so the weight streams through the pipelined shared-memory loads (cp.async) of an
-ordinary Triton matmul and every loaded weight element is used once, by one MMA.
+the MMA's M side (32 rows by default: mma.sync; 64 or more: a warpgroup MMA) and the rows of x,
+padded to 16 or 32, its N side, so the weight streams through the pipelined shared-memory loads
+(cp.async) of an ordinary Triton matmul and every loaded weight element is used once, by one MMA.
 
 Measured in a batch-8 decode step of Llama-1.1B (H100, bench/decode_step_time.py, 2026-11-26):
 1,277 -> 1,226 us, from the gated gate_up (the dispatcher keeps cuBLAS where it is as fast).
@@ -42,7 +42,7 @@ import triton.language as tl
 from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemm import _WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile, check_linear_args
 
-FEW_ROWS_MAX = 16  # the x side of the dot: rows are padded (wrapped) to 16
+FEW_ROWS_MAX = 32  # the x side of the dot: rows are padded (wrapped) to 16, or to 32 from 17
 _DTYPES = (torch.float16, torch.bfloat16)  # fp32 operands would halve the pipeline: gemm.linear_fwd takes them
 
 
@@ -75,14 +75,14 @@ _INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
 def default_config(gated: bool = False) -> FewRowsConfig:
     """The config of a linear, `gated` for "silu_mul" (the interpreter's under TRITON_INTERPRET).
     One for every shape: the sweep's best was within 2% of it on every Llama shape, and the rows do
-    not change it (the x side of the dot is 16 either way)."""
+    not change it (the x side of the dot is 16 or 32 wide)."""
     if INTERPRET:
         return _INTERPRET_CONFIG
     return _GATED if gated else _PLAIN
 
 
 def few_rows_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether few_rows_fwd takes this linear: x of 1..16 rows, fp16 or bf16, the weight of x's dtype
+    """Whether few_rows_fwd takes this linear: x of 1..32 rows, fp16 or bf16, the weight of x's dtype
     and device, 2-d."""
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False
@@ -107,7 +107,7 @@ def _few_rows_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,  # every split is whole BLOCK_K steps: no K masks
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # 16: x's rows, padded
+    BLOCK_M: tl.constexpr,  # 16 or 32: x's rows, padded
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = 0,
@@ -176,9 +176,9 @@ def few_rows_fwd(
     residual: torch.Tensor | None = None,
     config: FewRowsConfig | tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) + residual for x of at most 16 rows, fp16 or bf16.
+    """act(x @ weight.T + bias) + residual for x of at most 32 rows, fp16 or bf16.
 
-    x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
+    x: (..., K) with prod(...) <= 32; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
     (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
     `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps)` overrides the heuristic.
     """
@@ -192,6 +192,7 @@ def few_rows_fwd(
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    x_side = 16 if M <= 16 else FEW_ROWS_MAX  # the dot's N: one compile for 1-16 rows, one for 17-32
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if N == 0:
         return out.view(*lead, N)
@@ -209,8 +210,8 @@ def few_rows_fwd(
         **epilogue.flags,
         EVEN_K=K % (conf.block_k * split_k) == 0,
         DOT_PRECISION=_dot_precision(x.dtype),
-        BLOCK_M=FEW_ROWS_MAX, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+        BLOCK_M=x_side, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         num_stages=conf.num_stages, num_warps=conf.num_warps, **pdl(x2),
     )
-    epilogue.reduce(FEW_ROWS_MAX, _REDUCE_BLOCK_N)
+    epilogue.reduce(x_side, _REDUCE_BLOCK_N)
     return out.view(*lead, N)

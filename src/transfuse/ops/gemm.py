@@ -13,8 +13,8 @@ On a GPU the op runs one of these implementations, whichever is faster for the s
   residual on the fp32 accumulator (plus a split-K variant for few rows);
 - "gemv": transfuse.kernels.gemv, weight streaming on the CUDA cores for 1-2 rows (decode), the
   same epilogue;
-- "few_rows": transfuse.kernels.gemm_few_rows, 3-16 rows (batched decode) on the tensor cores with
-  the weight as the MMA's tall side, the same epilogue;
+- "few_rows": transfuse.kernels.gemm_few_rows, 3-32 rows (batched decode, short prompts) on the
+  tensor cores with the weight as the MMA's tall side, the same epilogue;
 - "torch": cuBLAS through torch.addmm / torch.mm, then the epilogue as PyTorch ops, which is what
   the unfused model runs; "torch_lt" is the same with cuBLASLt's fused epilogue
   (torch._addmm_activation) where that computes exactly what is asked: relu, and gelu_tanh (its
