@@ -3,13 +3,8 @@ ten generate(1) calls by cumulative and own time. Dev tool: PYTHONPATH=src pytho
 import cProfile, pstats, statistics, sys, time, io
 sys.path.insert(0, "bench")
 import torch
-import transfuse
-from profile_step_replay import build
-torch.manual_seed(0)
-model, prompt = build("llama-1.1b")
-transfuse.optimize(model)
-ids = torch.randint(3, model.config.vocab_size, (1, prompt), device="cuda")
-gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+from profile_step_replay import optimized_generate_setup
+model, ids, gen = optimized_generate_setup()
 with torch.inference_mode():
     for n in (1, 1, 1, 128, 128):
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen)

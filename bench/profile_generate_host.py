@@ -4,16 +4,11 @@ import collections, functools, statistics, sys, time
 sys.path.insert(0, "bench")
 import torch
 from torch.profiler import ProfilerActivity, profile
-import transfuse
 from transfuse.runtime import decode_loop
 from transformers.generation import utils as gu
-from profile_step_replay import build
+from profile_step_replay import optimized_generate_setup
 
-torch.manual_seed(0)
-model, prompt = build("llama-1.1b")
-transfuse.optimize(model)
-ids = torch.randint(3, model.config.vocab_size, (1, prompt), device="cuda")
-gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+model, ids, gen = optimized_generate_setup()
 acc = collections.defaultdict(list)
 
 def timed(owner, name, label):

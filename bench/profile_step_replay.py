@@ -27,6 +27,15 @@ def build(name):
     return make_model(name).cuda().half().eval(), 32
 
 
+def optimized_generate_setup(name: str = "llama-1.1b", batch: int = 1):
+    """(optimized model, prompt ids, greedy generate() kwargs) with seed 0: the dev tools' common start."""
+    torch.manual_seed(0)
+    model, prompt = build(name)
+    transfuse.optimize(model)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device="cuda")
+    return model, ids, dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="t5-base,llama-1.1b,gpt2")
