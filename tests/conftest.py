@@ -13,6 +13,58 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+
+def _speed_up_interpreter():
+    """Two pieces of work that Triton's interpreter (triton/runtime/interpreter.py, 3.x) does and
+    throws away, skipped; what a kernel computes, and every check that can fire, is unchanged.
+
+    Every kernel launch, and every call of one @triton.jit function from another, walks
+    triton.language with inspect.getmembers() to find the builtins it swaps for its own: the walk
+    always finds the same names, so they are remembered and exactly the ones the walk would swap
+    (those that still hold the builtin) are swapped.
+
+    Every integer +, - and * also redoes itself in int64 and compares the result with the int32
+    range for an overflow assert, and then drops that assert: the interpreter's options have
+    debug=False, and device asserts only exist in debug mode (semantic.device_assert returns first).
+    With debug off, sanitize_overflow=False skips that dead arithmetic: a third of the time of a
+    kernel's integer-heavy index math. (With debug on, as under a future TRITON_DEBUG, it is kept.)
+
+    A Triton whose private helpers look different is left alone.
+    """
+    try:
+        import dataclasses
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_attr, is_builtin = getattr(interpreter, "_patch_attr", None), getattr(tl.core, "is_builtin", None)
+    original = getattr(interpreter, "_patch_builtin", None)
+    if patch_attr and is_builtin and original and \
+            list(inspect.signature(original).parameters) == ["pkg", "builder", "scope"]:
+        found: dict = {}
+
+        def _patch_builtin(pkg, builder, scope):
+            members = found.get(pkg)
+            if members is None:
+                members = found[pkg] = [(name, m) for name, m in inspect.getmembers(pkg) if is_builtin(m)]
+            for name, member in members:
+                if getattr(pkg, name, None) is member:
+                    patch_attr(pkg, name, member, builder, scope)
+
+        interpreter._patch_builtin = _patch_builtin
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "debug", True) is False and \
+            getattr(options, "sanitize_overflow", False) is True:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+# TRANSFUSE_TESTS_STOCK_INTERPRETER=1 runs Triton's interpreter as shipped (to compare timings or rule it out).
+if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("TRANSFUSE_TESTS_STOCK_INTERPRETER"):
+    _speed_up_interpreter()
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 

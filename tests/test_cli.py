@@ -264,7 +264,7 @@ def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys):
     """`transfuse bench --model t5-base` at the tiny geometry: greedy and beam search for each
     provider, transfuse's tokens equal eager's (fp32), the error columns, results written."""
     argv = ["--model", "seq2seq-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
-            "--batches", "2", "--searches", "greedy,beam2", "--input", "5", "--new-tokens", "3", "--iters", "1", "--warmup", "0",
+            "--batches", "2", "--searches", "greedy,beam2", "--input", "5", "--new-tokens", "2", "--iters", "1", "--warmup", "0",
             "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out

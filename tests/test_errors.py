@@ -61,21 +61,23 @@ def test_t5_inputs_past_the_relative_buckets_and_an_empty_decoder_prompt():
     from tests.models.test_encoder_decoder_families import FAMILIES
 
     config_cls, model_cls, config, _ = FAMILIES["t5"]
-    config = dict(config, relative_attention_max_distance=8, relative_attention_num_buckets=8)
+    # 8 buckets up to distance 6: the decoder's exact (0-3), logarithmic (4, 5) and last (6 and more)
+    # buckets, and the encoder's (its last from 4), all occur in 9 input and 8 decoder positions.
+    config = dict(config, relative_attention_max_distance=6, relative_attention_num_buckets=8)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
-    ids = torch.randint(3, 97, (2, 23))
+    ids = torch.randint(3, 97, (2, 9))
     mask = torch.ones_like(ids)
-    mask[1, 15:] = 0
-    decoder_ids = torch.randint(3, 97, (2, 19))
+    mask[1, 6:] = 0
+    decoder_ids = torch.randint(3, 97, (2, 8))
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
-        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
         with pytest.raises(RuntimeError) as eager_error:
             model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, :0])
         transfuse.optimize(model)
         out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
         with pytest.raises(type(eager_error.value)) as error:
             model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, :0])
     assert rel_err(out, ref) < 1e-5 and torch.equal(tokens, ref_tokens)

@@ -28,11 +28,11 @@ def test_encoder_compiled_for_generate(family):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with torch.no_grad():
-        ref = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
-               model.generate(ids[:1, :7], max_new_tokens=5, do_sample=False)]
+        ref = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+               model.generate(ids[:1, :7], max_new_tokens=3, do_sample=False)]
         transfuse.optimize(model)
-        out = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
-               model.generate(ids[:1, :7], max_new_tokens=5, do_sample=False)]
+        out = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+               model.generate(ids[:1, :7], max_new_tokens=3, do_sample=False)]
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
     state = model._transfuse_state
     encoder_records = [r for b in state.encoder_call._transfuse_state.backends for r in b.records]
@@ -44,7 +44,7 @@ def test_encoder_compiled_for_generate(family):
     assert "_prepare_encoder_decoder_kwargs_for_generation" not in model.__dict__
     assert "get_encoder" not in model.__dict__
     with torch.no_grad():
-        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref[0])
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref[0])
 
 
 def test_plain_forward_keeps_one_graph():
@@ -68,7 +68,7 @@ def test_a_failing_compiled_encoder_falls_back_and_is_reported(monkeypatch):
     model = _build("t5")
     ids = torch.randint(3, 97, (1, 8))
     with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+        ref = model.generate(ids, max_new_tokens=2, do_sample=False)
         transfuse.optimize(model)
         call = model._transfuse_state.encoder_call
 
@@ -76,8 +76,8 @@ def test_a_failing_compiled_encoder_falls_back_and_is_reported(monkeypatch):
             raise RuntimeError("no kernel for this")
 
         monkeypatch.setattr(call, "forward", broken)
-        out = model.generate(ids, max_new_tokens=4, do_sample=False)
-        again = model.generate(ids, max_new_tokens=4, do_sample=False)
+        out = model.generate(ids, max_new_tokens=2, do_sample=False)
+        again = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert "its compiled run failed: RuntimeError: no kernel for this" in transfuse.report(model)
 

@@ -31,13 +31,16 @@ def _grad_errors(model, reference) -> dict:
             for (name, p), r in zip(model.named_parameters(), reference.parameters()) if r.grad is not None}
 
 
+# Training runs every kernel's backward too, and under the interpreter a kernel costs in proportion
+# to its programs (the activation kernels' are 4 rows by 16 columns): the models are 2 layers, 2
+# heads of 16 (hidden 32), so that each whole-model test stays a few seconds.
 def _nanogpt(**overrides):
     torch.manual_seed(0)
-    return GPT(tiny_config(**overrides)).train()
+    return GPT(tiny_config(**{"n_embd": 32, "n_head": 2, **overrides})).train()
 
 
 def _hf_gpt2():
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=97,
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=97,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -47,8 +50,8 @@ def _hf_gpt2():
 
 
 def _llama():
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=96, vocab_size=97, max_position_embeddings=64)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=48, vocab_size=97, max_position_embeddings=64)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
