@@ -21,7 +21,9 @@ def _speed_up_interpreter():
     Every kernel launch, and every call of one @triton.jit function from another, walks
     triton.language with inspect.getmembers() to find the builtins it swaps for its own: the walk
     always finds the same names, so they are remembered and exactly the ones the walk would swap
-    (those that still hold the builtin) are swapped.
+    (those that still hold the builtin) are swapped. A call from one @triton.jit function to another
+    also swaps again (and never restores) what its launch already swapped for the same modules:
+    inside a launch that covered them, that call is skipped.
 
     Every integer +, - and * also redoes itself in int64 and compares the result with the int32
     range for an overflow assert, and then drops that assert: the interpreter's options have
@@ -54,6 +56,33 @@ def _speed_up_interpreter():
                     patch_attr(pkg, name, member, builder, scope)
 
         interpreter._patch_builtin = _patch_builtin
+    patch_lang, grid_call = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    scope_cls = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang and grid_call and scope_cls and list(inspect.signature(patch_lang).parameters) == ["fn"]:
+        covered: list = []  # per running launch: ids of the language modules its swaps cover
+        langs_of: dict = {}  # jit function -> (size of its globals, ids of tl / tl.core among them)
+
+        def _patch_lang(fn):
+            size = len(fn.__globals__)
+            known = langs_of.get(fn)
+            if known is None or known[0] != size:
+                known = langs_of[fn] = (size, frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core))
+            if covered and covered[-1] and known[1] <= covered[-1]:
+                return scope_cls()  # nothing to undo
+            scope = patch_lang(fn)
+            if covered:
+                covered[-1].update(known[1])
+            return scope
+
+        def _launch(self, *args, **kwargs):
+            covered.append(set())
+            try:
+                return grid_call(self, *args, **kwargs)
+            finally:
+                covered.pop()
+
+        interpreter._patch_lang = _patch_lang
+        interpreter.GridExecutor.__call__ = _launch
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     if dataclasses.is_dataclass(options) and getattr(options, "debug", True) is False and \

@@ -211,11 +211,19 @@ def test_encoder_runs_on_cpu_and_records_failures(tmp_path, monkeypatch):
     assert list(tmp_path.glob("*-cpu-encoder.json"))  # checkpointed after each provider
 
 
-def test_decoder_bench_runs_on_cpu(tmp_path, capsys):
+# The benchmarks' harness is under test here, not their models (the model tests cover those): their
+# CPU geometry is made one layer of hidden 32, 2 heads of 16, so that each generate() runs a few
+# interpreted kernels instead of tens.
+_ONE_LAYER = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48)
+
+
+def test_decoder_bench_runs_on_cpu(tmp_path, capsys, monkeypatch):
     """`transfuse bench --model llama-1.1b` at the tiny geometry: every provider generates, the
     tables print, a prompt past the positions is reported as skipped, results are written."""
     from transfuse.bench import decoder
 
+    config_cls, config = decoder.GEOMETRIES["tiny"]
+    monkeypatch.setitem(decoder.GEOMETRIES, "tiny", (config_cls, {**config, **_ONE_LAYER}))
     argv = ["--model", "decoder-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
             "--batches", "2", "--prompt", "4", "--new-tokens", "3", "--ttft-prompts", "8,500", "--iters", "1", "--warmup", "0",
             "--out", str(tmp_path)]
@@ -260,9 +268,14 @@ def test_demo_on_cpu(capsys):
     assert math.isfinite(float(out.out.split("max abs error vs eager: ")[1].split()[0]))
 
 
-def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys):
+def test_seq2seq_bench_runs_on_cpu(tmp_path, capsys, monkeypatch):
     """`transfuse bench --model t5-base` at the tiny geometry: greedy and beam search for each
     provider, transfuse's tokens equal eager's (fp32), the error columns, results written."""
+    from transfuse.bench import seq2seq
+
+    config_cls, config = seq2seq.GEOMETRIES["tiny"]
+    monkeypatch.setitem(seq2seq.GEOMETRIES, "tiny", (config_cls, {**config, "num_layers": 1, "num_decoder_layers": 1,
+                                                                   "d_model": 32, "d_ff": 48, "num_heads": 2}))
     argv = ["--model", "seq2seq-tiny", "--device", "cpu", "--dtype", "fp32", "--providers", "eager,transfuse",
             "--batches", "2", "--searches", "greedy,beam2", "--input", "5", "--new-tokens", "2", "--iters", "1", "--warmup", "0",
             "--out", str(tmp_path)]

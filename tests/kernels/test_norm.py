@@ -266,6 +266,7 @@ def test_config_follows_row_length():
     assert norm_config(16384, 8192).num_warps == 16
     assert norm_config(16384, 64).ROWS_PER_PROGRAM == 16
     assert norm_config(1, 64).ROWS_PER_PROGRAM == 1  # never more rows than there are
+    assert norm_config(128, 768).ROWS_PER_PROGRAM == 1  # few rows: one program each (bert 1x128)
 
 
 def test_errors():

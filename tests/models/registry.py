@@ -32,10 +32,10 @@ class TinyModel:
 
 LAYERS = 2
 _BERT_LIKE = dict(
-    hidden_size=64,  # 768
+    hidden_size=32,  # 768
     num_hidden_layers=LAYERS,  # 12
-    num_attention_heads=4,  # 12 (head dim 16; 64 real)
-    intermediate_size=96,  # 3072
+    num_attention_heads=2,  # 12 (head dim 16; 64 real)
+    intermediate_size=48,  # 3072
     vocab_size=97,  # 30522
     max_position_embeddings=64,  # 512
 )
@@ -50,7 +50,7 @@ REGISTRY = [
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 5, "ManualAttention": 2, "EvalDropout": 7},
             "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 5, "TorchSDPA": 2, "EvalDropout": 5},
         }, unpaddable=1),
-    TinyModel("electra", "ElectraConfig", "ElectraModel", dict(_BERT_LIKE, embedding_size=64), {
+    TinyModel("electra", "ElectraConfig", "ElectraModel", dict(_BERT_LIKE, embedding_size=32), {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 7},
             "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 5},
         }),
@@ -58,7 +58,7 @@ REGISTRY = [
         "minilm",  # MiniLM-L12-H384: BERT with head dim 32
         "BertConfig",
         "BertModel",
-        dict(_BERT_LIKE, hidden_size=64, num_attention_heads=2),  # 384 / 12 heads
+        dict(_BERT_LIKE, hidden_size=64, num_attention_heads=2, intermediate_size=96),  # 384 / 12 heads
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 7},
             "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 5},
@@ -68,7 +68,7 @@ REGISTRY = [
         "distilbert",
         "DistilBertConfig",
         "DistilBertModel",
-        dict(dim=64, n_layers=LAYERS, n_heads=4, hidden_dim=96, vocab_size=97, max_position_embeddings=64),  # 768/6/12/3072
+        dict(dim=32, n_layers=LAYERS, n_heads=2, hidden_dim=48, vocab_size=97, max_position_embeddings=64),  # 768/6/12/3072
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 5},
             "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 3},
@@ -78,7 +78,7 @@ REGISTRY = [
         "albert",
         "AlbertConfig",
         "AlbertModel",
-        dict(_BERT_LIKE, embedding_size=32),  # 128
+        dict(_BERT_LIKE, embedding_size=16),  # 128
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 10, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 5},
             "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 10, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 3},

@@ -192,13 +192,17 @@ def test_beam_search_matches_eager(family):
     assert torch.equal(out, ref)
 
 
-def _seq2seq(family):
+def _seq2seq(family, layers=2):
+    """Tiny T5 or BART. The CPU tests of what generate() does around the model (traces, caches, the
+    decode loop) use one layer each side: a Dynamo trace and the interpreted kernels cost in
+    proportion to the layers, and what spans layers (T5's position bias handed from the first to
+    the next, one cache per layer) is covered by test_encoder_decoder_families.py at two."""
     common = dict(vocab_size=97, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     if family == "t5":
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
-            d_model=32, d_kv=16, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2, **common))
+            d_model=32, d_kv=16, d_ff=48, num_layers=layers, num_decoder_layers=layers, num_heads=2, **common))
     return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        d_model=32, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2, decoder_attention_heads=2,
         encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, bos_token_id=2, forced_eos_token_id=None,
         **common))
 
@@ -209,7 +213,7 @@ def test_encoder_decoder_generate_matches_eager_with_few_traces(family):
     loop: greedy across encoder lengths and lengths of output, sampling under a seed, and beam search
     (Hugging Face's loop) equal eager's, with padding in the encoder input, in a few traces."""
     torch.manual_seed(0)
-    model = _seq2seq(family).eval()
+    model = _seq2seq(family, layers=1).eval()
     calls = []
     for seq, new in [(9, 4), (6, 3)]:
         ids = torch.randint(3, 97, (2, seq))
@@ -254,7 +258,7 @@ def test_encoder_decoder_traces_under_inference_mode():
     later step does, and a new batch size's cache is initialized like the reused ones, so each batch
     class costs a prompt and a step trace (plus, once, the first cache's reuse) and repeats cost none."""
     torch.manual_seed(0)
-    model = _seq2seq("t5").eval()
+    model = _seq2seq("t5", layers=1).eval()
     transfuse.optimize(model)
     state = model._transfuse_state
     added = []
@@ -275,7 +279,7 @@ def test_encoder_decoder_new_cache_after_a_dtype_change():
     import copy
 
     torch.manual_seed(0)
-    model = _seq2seq("t5").eval()
+    model = _seq2seq("t5", layers=1).eval()
     ref = copy.deepcopy(model).bfloat16()
     kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
     with torch.no_grad():

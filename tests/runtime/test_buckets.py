@@ -13,7 +13,8 @@ from tests.helpers import rel_err
 from tests.models.registry import REGISTRY
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
 
-# The registry's BERT at half its width: padding, not BERT's size, is under test here.
+# The registry's BERT at hidden 32, two heads, whatever the registry's size: padding, not BERT's size,
+# is under test here.
 BERT = dataclasses.replace(REGISTRY[0], config=dict(REGISTRY[0].config, hidden_size=32, num_attention_heads=2,
                                                     intermediate_size=48))
 

@@ -15,10 +15,14 @@ from tests.models.test_encoder_decoder_families import FAMILIES
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/interpreter test; see tests/models/test_decoders_gpu.py")
 
 
+# One layer each side: the encoder hook is under test, not the layers (the family tests run two).
+_ONE_LAYER = {"t5": dict(num_layers=1, num_decoder_layers=1), "bart": dict(encoder_layers=1, decoder_layers=1)}
+
+
 def _build(family):
     config_cls, model_cls, config = FAMILIES[family][:3]
     torch.manual_seed(0)
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**config, **_ONE_LAYER[family]})).eval()
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
