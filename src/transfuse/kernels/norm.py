@@ -33,6 +33,13 @@ MAX_N = 65536
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Up to this many rows each row gets its own program: a few rows' latency is one program's, and
+# grouping them leaves SMs idle. Measured on an H100 (bench/kernels/bench_norm_small_rows.py,
+# 2026-11-26, bench/results/2026-11-26-*-norm-small-rows-session17.log), x768 fp16 add_layer_norm:
+# 16 rows 2.05 -> 1.48 us, 128 rows 2.08 -> 1.80, 1024 rows 2.60 -> 2.31 (4 rows a program -> 1); at
+# 4096 and 16384 rows grouping is as fast or faster.
+SPREAD_ROWS_MAX = 1024
+
 
 @dataclass(frozen=True)
 class NormConfig:
@@ -49,8 +56,8 @@ def norm_config(n_rows: int, n_cols: int) -> NormConfig:
 
     Each thread should hold a handful of 16-byte vectors per tensor: few enough to stay in
     registers, enough to keep several loads in flight (4 warps at N <= 1024, 8 from 2048, 16 from
-    8192, 32 from 32768). Rows shorter than 1024 are grouped so a program still moves a few KiB,
-    but never more rows than exist (M = 1 at decode time)."""
+    8192, 32 from 32768). Rows shorter than 1024 are grouped so a program still moves a few KiB, once
+    there are more than SPREAD_ROWS_MAX of them; fewer rows get a program each."""
     block_n = max(next_power_of_2(n_cols), 16)
     if block_n >= 32768:
         num_warps = 32
@@ -61,7 +68,7 @@ def norm_config(n_rows: int, n_cols: int) -> NormConfig:
     else:
         num_warps = 4
     rows = 1
-    if block_n <= 1024:
+    if block_n <= 1024 and n_rows > SPREAD_ROWS_MAX:
         # Measured on an H200 (bench_norm.py --sweep, 2026-11-21): 16384x768 fp16 add_layer_norm
         # ran in 24 us with 4 rows on 2 warps against 50 us with 1 row on 4 warps.
         rows = min(4096 // block_n, 16, next_power_of_2(max(n_rows, 1)))
