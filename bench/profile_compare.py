@@ -66,7 +66,7 @@ def kernels(call, n=20):
     for name, (t, c) in by_name.items():
         cats[category(name)][0] += t
         cats[category(name)][1] += c
-    top = sorted(((t, c, name[:100]) for name, (t, c) in by_name.items()), reverse=True)[:12]
+    top = sorted(((t, c, name[:100]) for name, (t, c) in by_name.items()), reverse=True)[:24]
     return {
         "gpu_us": sum(t for t, _ in by_name.values()),
         "kernels": sum(c for _, c in by_name.values()),
@@ -114,7 +114,7 @@ def main():
             cats = " ".join(f"{k}={v['us']:.0f}us/{v['count']:.0f}" for k, v in sorted(row["categories"].items()))
             print(f"{shape:7s} {p:10s} latency {row['latency_ms']:.3f} ms  host {row['host_ms']:.3f} ms  "
                   f"gpu {row['gpu_us']:.0f} us in {row['kernels']:.0f} kernels  [{cats}]", flush=True)
-            for k in row["top"][:8]:
+            for k in row["top"]:
                 print(f"      {k['us']:7.1f} us x{k['count']:4.1f}  {k['name']}")
     with open(os.path.join(args.out, "profile_compare.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)

@@ -134,6 +134,49 @@ def test_add_layer_norm_backward(shape, dtype, atol, sum_case, has_affine):
     assert torch.equal(dx, dresidual)  # d(x + residual) reaches both alike
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("store_sum", [False, True])
+def test_autocast_block_backward_equals_eager(half, store_sum):
+    """autocast's pre-norm block, `F.layer_norm(x + branch).to(half)` with x fp32 and the branch in
+    half precision, as add_layer_norm(x, branch, ..., out_dtype=half) computes it in one kernel: the
+    output, the sum and every gradient equal eager's (fp32 arithmetic both ways; the gradient of the
+    half branch is rounded to its dtype, as eager's add rounds it)."""
+    shape, n = (3, 5, 40), 40
+    x, branch = _randn(shape, torch.float32, shift=0.5), _randn(shape, half, scale=2.0)
+    weight, bias = _randn((n,), torch.float32), _randn((n,), torch.float32)
+    dout, dsum = _randn(shape, half), _randn(shape, torch.float32)
+
+    def eager(x, branch, weight, bias):
+        s = x + branch
+        return F.layer_norm(s, (n,), weight, bias, 1e-5).to(half), s
+
+    def ours(x, branch, weight, bias):
+        return ops.add_layer_norm(x, branch, weight, bias, 1e-5, store_sum, half)
+
+    grads_in = [dout, dsum if store_sum else None]
+    out, s = ours(x, branch, weight, bias)
+    want_out, want_s = eager(x, branch, weight, bias)
+    assert out.dtype == half and (s.dtype == torch.float32 if store_sum else s.numel() == 0)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0.02)  # at most one half-precision ulp apart
+    if store_sum:
+        assert torch.equal(s, want_s)
+    got = _grads(ours, [x, branch, weight, bias], grads_in)
+    want = _grads(eager, [x, branch, weight, bias], grads_in)
+    for name, g, w in zip(("x", "branch", "weight", "bias"), got, want, strict=True):
+        assert g.dtype == w.dtype, name
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-2 if g.dtype == half else 1e-4, atol=1e-4, msg=name)
+
+
+def test_layer_norm_backward_takes_a_half_gradient_of_an_fp32_input():
+    """A norm that wrote bf16 (out_dtype) gets its gradient in bf16: the kernel widens it as it loads."""
+    x, dy = _randn((4, 40), torch.float32), _randn((4, 40), torch.bfloat16)
+    weight, bias = _randn((40,), torch.float32), _randn((40,), torch.float32)
+    got = layer_norm_bwd(dy, x, weight, bias, 1e-5)
+    want = layer_norm_bwd(dy.float(), x, weight, bias, 1e-5)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
 

@@ -13,9 +13,10 @@ ops = torch.ops.transfuse
 
 
 SCHEMAS = {
-    "layer_norm": "transfuse::layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
+    "layer_norm": "transfuse::layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, "
+    "ScalarType? out_dtype=None) -> Tensor",
     "add_layer_norm": "transfuse::add_layer_norm(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, "
-    "float eps, bool store_sum) -> (Tensor, Tensor)",
+    "float eps, bool store_sum, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
     "rms_norm": "transfuse::rms_norm(Tensor x, Tensor? weight, float eps, float weight_offset, "
     "bool cast_before_weight) -> Tensor",
     "add_rms_norm": "transfuse::add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, "
@@ -41,6 +42,9 @@ def _cases():
         ("layer_norm", (strided, w, None, 1e-5)),
         ("add_layer_norm", (x, residual, w, b, 1e-5, True)),
         ("add_layer_norm", (xh, rh, wh, None, 1e-5, False)),
+        # autocast's pre-norm block: fp32 residual stream + bf16 branch, output for a bf16 GEMM
+        ("layer_norm", (x, w, b, 1e-5, torch.bfloat16)),
+        ("add_layer_norm", (x, residual.bfloat16(), w, b, 1e-5, True, torch.bfloat16)),
         ("rms_norm", (x, w, 1e-6, 0.0, True)),
         ("rms_norm", (xh, w, 1e-6, 1.0, False)),
         ("rms_norm", (strided, None, 1e-6, 0.0, True)),

@@ -236,12 +236,24 @@ def _check_input(x: torch.Tensor, name: str = "x") -> None:
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    # A narrower residual is what autocast leaves: an fp32 residual stream plus a bf16 linear's
+    # output, which eager adds in fp32 (type promotion), as the kernel does in x's dtype.
+    if (residual.shape != x.shape or residual.device != x.device or residual.dtype not in _SUPPORTED_DTYPES
+            or torch.promote_types(x.dtype, residual.dtype) != x.dtype):
         raise ValueError(
-            "transfuse norm: residual must have the shape, dtype and device of x, got "
+            "transfuse norm: residual must have the shape and device of x and x's dtype or a narrower one, got "
             f"{tuple(residual.shape)} {residual.dtype} {residual.device} for x "
             f"{tuple(x.shape)} {x.dtype} {x.device}"
         )
+
+
+def check_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """The output dtype of a norm asked for out_dtype (None: x's)."""
+    if out_dtype is None:
+        return x.dtype
+    if out_dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"transfuse norm: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    return out_dtype
 
 
 def _check_affine(param: torch.Tensor | None, x: torch.Tensor, name: str, allowed: tuple) -> None:
@@ -256,15 +268,16 @@ def _check_affine(param: torch.Tensor | None, x: torch.Tensor, name: str, allowe
         raise ValueError(f"transfuse norm: {name} is on {param.device}, x on {x.device}")
 
 
-def check_layer_norm_args(x, weight, bias, residual=None) -> torch.dtype:
-    """Raise on arguments the kernel does not take; return the output dtype (always x's: the
-    affine parameters may be x's dtype or fp32, as F.layer_norm allows, and are applied in fp32)."""
+def check_layer_norm_args(x, weight, bias, residual=None, out_dtype=None) -> torch.dtype:
+    """Raise on arguments the kernel does not take; return the output dtype (x's unless out_dtype
+    says otherwise: the affine parameters may be x's dtype or fp32, as F.layer_norm allows, and are
+    applied in fp32, and the result is rounded once, to the output dtype)."""
     _check_input(x)
     if residual is not None:
         _check_residual(x, residual)
     _check_affine(weight, x, "weight", (x.dtype, torch.float32))
     _check_affine(bias, x, "bias", (x.dtype, torch.float32))
-    return x.dtype
+    return check_out_dtype(x, out_dtype)
 
 
 def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=None) -> torch.dtype:
@@ -407,11 +420,13 @@ def layer_norm_fwd(
     bias: torch.Tensor | None,
     eps: float,
     *,
+    out_dtype: torch.dtype | None = None,
     config: NormConfig | None = None,
 ) -> torch.Tensor:
     """F.layer_norm(x, (N,), weight, bias, eps). x: (..., N); weight, bias: (N,) of x's dtype or
-    fp32. Returns a contiguous tensor of x's shape and dtype."""
-    out_dtype = check_layer_norm_args(x, weight, bias)
+    fp32. Returns a contiguous tensor of x's shape, in x's dtype or out_dtype: the fp32 result
+    rounded once to it, what `F.layer_norm(x, ...).to(out_dtype)` gives for fp32 x."""
+    out_dtype = check_layer_norm_args(x, weight, bias, out_dtype=out_dtype)
     out, _ = _norm_fwd("layer", x, None, weight, bias, eps, 0.0, False, False, out_dtype, config)
     return out
 
@@ -424,11 +439,13 @@ def add_layer_norm_fwd(
     eps: float,
     store_sum: bool,
     *,
+    out_dtype: torch.dtype | None = None,
     config: NormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (in x's dtype); returns (layer_norm(s), s), or (layer_norm(s), empty (0,))
-    when store_sum is False. residual: same shape and dtype as x."""
-    out_dtype = check_layer_norm_args(x, weight, bias, residual)
+    when store_sum is False. residual: x's shape, x's dtype or a narrower one (promoted as eager
+    adds them). layer_norm(s) in x's dtype or out_dtype, as layer_norm_fwd."""
+    out_dtype = check_layer_norm_args(x, weight, bias, residual, out_dtype)
     return _norm_fwd("layer", x, residual, weight, bias, eps, 0.0, False, store_sum, out_dtype, config)
 
 

@@ -2,9 +2,15 @@
 the last dim, optionally fused with the residual add before it. Kernels: transfuse.kernels.norm;
 semantics, operation by operation: transfuse.reference.norm.
 
-Every output is a new contiguous tensor of x's shape and dtype. The add_ ops return (out, s) with
-s = x + residual in x's dtype; with store_sum=False s is never written and an empty (0,) tensor
-stands in for it, so a graph whose sum has no other user (BERT's post-norm) saves its traffic.
+Every output is a new contiguous tensor of x's shape and dtype (the layer norms' normalised output
+in out_dtype where given). The add_ ops return (out, s) with s = x + residual in x's dtype; with
+store_sum=False s is never written and an empty (0,) tensor stands in for it, so a graph whose sum
+has no other user (BERT's post-norm) saves its traffic.
+
+Under autocast a pre-norm block adds a bf16 branch to an fp32 residual stream, normalises the fp32
+sum and casts the result to bf16 for the next linear: add_layer_norm takes the narrower residual
+(promoted as eager promotes it) and writes the bf16 output directly (out_dtype), one kernel where
+eager runs three, and its backward reads the bf16 gradient as it is (passes/norm.py, training).
 
 The ops take eps as given: where a model passes eps=None to F.rms_norm, the caller resolves it to
 torch.finfo(torch.float32).eps, what torch uses for fp16, bf16 and fp32 inputs alike.
@@ -32,15 +38,18 @@ from transfuse.kernels import norm_backward as bwd_kernels
 
 @torch.library.custom_op("transfuse::layer_norm", mutates_args=())
 def layer_norm(
-    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """F.layer_norm(x, (N,), weight, bias, eps) for x: (..., N); weight, bias: (N,) in x's dtype or fp32."""
-    return kernels.layer_norm_fwd(x, weight, bias, eps)
+    """F.layer_norm(x, (N,), weight, bias, eps) for x: (..., N); weight, bias: (N,) in x's dtype or fp32.
+    out_dtype: the result rounded once to it, `F.layer_norm(...).to(out_dtype)` (autocast's fp32
+    norm feeding a bf16 linear), in one pass."""
+    return kernels.layer_norm_fwd(x, weight, bias, eps, out_dtype=out_dtype)
 
 
 @layer_norm.register_fake
-def _(x, weight, bias, eps):
-    out_dtype = kernels.check_layer_norm_args(x, weight, bias)
+def _(x, weight, bias, eps, out_dtype=None):
+    out_dtype = kernels.check_layer_norm_args(x, weight, bias, out_dtype=out_dtype)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
@@ -52,14 +61,16 @@ def add_layer_norm(
     bias: Optional[torch.Tensor],
     eps: float,
     store_sum: bool,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer_norm(x + residual), x + residual); the second is an empty (0,) tensor unless store_sum."""
-    return kernels.add_layer_norm_fwd(x, residual, weight, bias, eps, store_sum)
+    """(layer_norm(x + residual), x + residual); the second is an empty (0,) tensor unless store_sum.
+    residual may be narrower than x (promoted, as eager adds them); out_dtype as in layer_norm."""
+    return kernels.add_layer_norm_fwd(x, residual, weight, bias, eps, store_sum, out_dtype=out_dtype)
 
 
 @add_layer_norm.register_fake
-def _(x, residual, weight, bias, eps, store_sum):
-    out_dtype = kernels.check_layer_norm_args(x, weight, bias, residual)
+def _(x, residual, weight, bias, eps, store_sum, out_dtype=None):
+    out_dtype = kernels.check_layer_norm_args(x, weight, bias, residual, out_dtype)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape if store_sum else (0,))
 
 
@@ -201,7 +212,7 @@ def _output_grad(grad: Optional[torch.Tensor], rows: torch.Tensor) -> torch.Tens
 
 
 def _layer_norm_setup_context(ctx, inputs, output):
-    x, weight, bias, eps = inputs
+    x, weight, bias, eps = inputs[:4]
     ctx.eps = eps
     _save(ctx, x, None, None, False, weight, bias)
 
@@ -211,12 +222,13 @@ def _layer_norm_backward(ctx, dout):
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
     dx, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
         _output_grad(dout, x), x, None, None, weight, bias, ctx.eps, need_x, need_weight, need_bias)
-    return _needed(dx, need_x), _needed(dweight, need_weight), _needed(dbias, need_bias), None
+    return _needed(dx, need_x), _needed(dweight, need_weight), _needed(dbias, need_bias), None, None
 
 
 def _add_layer_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, store_sum = inputs
+    x, residual, weight, bias, eps, store_sum = inputs[:6]
     ctx.eps = eps
+    ctx.residual_dtype = residual.dtype
     _save(ctx, x, residual, output[1], store_sum, weight, bias)
 
 
@@ -228,9 +240,11 @@ def _add_layer_norm_backward(ctx, dout, dsum):
     ds, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
         _output_grad(dout, rows), rows, residual, dsum, weight, bias, ctx.eps, need_x or need_residual,
         need_weight, need_bias)
-    # d(x + residual)/dx = d(x + residual)/dresidual = 1: both get ds
-    return (_needed(ds, need_x), _needed(ds, need_residual), _needed(dweight, need_weight),
-            _needed(dbias, need_bias), None, None)
+    # d(x + residual)/dx = d(x + residual)/dresidual = 1: both get ds, the residual's in its own
+    # dtype (a narrower residual was promoted in the forward; eager's add casts its gradient back)
+    dresidual = ds.to(ctx.residual_dtype) if need_residual else None
+    return (_needed(ds, need_x), dresidual, _needed(dweight, need_weight),
+            _needed(dbias, need_bias), None, None, None)
 
 
 def _rms_norm_setup_context(ctx, inputs, output):

@@ -36,20 +36,28 @@ def run(ctx: PassContext) -> None:
         x = arg(node, 0, "input")
         weight, bias = arg(node, 2, "weight"), arg(node, 3, "bias")
         eps = scalar(arg(node, 4, "eps", 1e-5))
-        residual = _residual_add(x, node, order)
+        # Autocast's forms (training graphs only: the inference passes after this one read these
+        # ops' arguments as they were): an fp32 residual stream plus a bf16 branch, and an fp32
+        # norm whose every reader casts it to bf16 for its GEMM.
+        residual = _residual_add(x, node, order, mixed=ctx.training)
+        out_dtype = _autocast_readers_dtype(node) if ctx.training else None
+        extra = () if out_dtype is None else (out_dtype,)
+        value = node.meta.get("example_value")
+        if out_dtype is not None and value is not None:
+            value = value.to(out_dtype)
         with graph.inserting_before(node):
             if residual is None:
-                new = graph.call_function(torch.ops.transfuse.layer_norm.default, (x, weight, bias, eps))
-                new.meta["example_value"] = node.meta.get("example_value")
+                new = graph.call_function(torch.ops.transfuse.layer_norm.default, (x, weight, bias, eps, *extra))
+                new.meta["example_value"] = value
                 ctx.matched(PLAIN)
             else:
                 a, b = residual
                 store_sum = len(x.users) > 1
                 fused = graph.call_function(
-                    torch.ops.transfuse.add_layer_norm.default, (a, b, weight, bias, eps, store_sum)
+                    torch.ops.transfuse.add_layer_norm.default, (a, b, weight, bias, eps, store_sum, *extra)
                 )
                 new = graph.call_function(operator.getitem, (fused, 0))
-                new.meta["example_value"] = node.meta.get("example_value")
+                new.meta["example_value"] = value
                 if store_sum:
                     total = graph.call_function(operator.getitem, (fused, 1))
                     total.meta["example_value"] = x.meta.get("example_value")
@@ -80,20 +88,48 @@ def _check(node: fx.Node) -> str | None:
     return None
 
 
-def _residual_add(x, norm: fx.Node, order: dict) -> tuple | None:
+def _residual_add(x, norm: fx.Node, order: dict, mixed: bool = False) -> tuple | None:
     """(a, b) when the norm's input is `a + b` of two same-shape, same-dtype tensors whose other
-    readers all come after the norm (the fused kernel produces the sum there)."""
+    readers all come after the norm (the fused kernel produces the sum there). With `mixed`, b may
+    be narrower than a (bf16 onto fp32: the sum is a's dtype, as the kernel adds); a is the wider."""
     if not isinstance(x, fx.Node) or kind(x) != "add" or arg(x, 2, "alpha", 1) != 1:
         return None
     if len(x.args) < 2 or not all(isinstance(t, fx.Node) for t in x.args[:2]):
         return None
     a, b = x.args[0], x.args[1]
     ta, tb, tx = tensor_meta(a), tensor_meta(b), tensor_meta(x)
-    if ta is None or tb is None or not same_shape(shape(a), shape(b)) or not same_shape(shape(a), shape(x)) or ta.dtype != tb.dtype or ta.dtype != tx.dtype:
+    if ta is None or tb is None or not same_shape(shape(a), shape(b)) or not same_shape(shape(a), shape(x)):
+        return None
+    if mixed and tb.dtype == tx.dtype != ta.dtype:
+        a, b, ta, tb = b, a, tb, ta
+    same = ta.dtype == tb.dtype == tx.dtype
+    promoted = (mixed and ta.dtype == tx.dtype and tb.dtype in SUPPORTED_DTYPES
+                and torch.promote_types(ta.dtype, tb.dtype) == ta.dtype)
+    if not (same or promoted):
         return None
     if any(order[u] < order[norm] for u in x.users if u is not norm):
         return None
     return a, b
+
+
+def _autocast_readers_dtype(norm: fx.Node) -> torch.dtype | None:
+    """The half dtype that every reader of the norm's output casts it to before using it, or None.
+    A reader is a linear taking the output as its input whose result has that narrower dtype: under
+    autocast it casts its input first (and only then could an fp32 input give a bf16 result). So
+    the norm may write that dtype itself: the same rounding, one pass, no cast in either direction."""
+    out = tensor_meta(norm)
+    if out is None or out.dtype != torch.float32 or not norm.users:
+        return None
+    dtypes = set()
+    for user in norm.users:
+        meta = tensor_meta(user)
+        if kind(user) != "linear" or user.args[0] is not norm or norm in user.args[1:] or meta is None:
+            return None
+        dtypes.add(meta.dtype)
+    if len(dtypes) != 1 or dtypes & {torch.float32}:
+        return None
+    dtype = dtypes.pop()
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 def residual_before(x: fx.Node, out: fx.Node, order: dict) -> tuple | None:

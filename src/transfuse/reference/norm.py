@@ -17,7 +17,8 @@ import torch
 
 
 def layer_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     h = x.float()
     mean = h.mean(-1, keepdim=True)
@@ -27,7 +28,8 @@ def layer_norm_ref(
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    # out_dtype: `F.layer_norm(x).to(out_dtype)`; from fp32 x that is still one rounding
+    return y.to(x.dtype).to(out_dtype or x.dtype)
 
 
 def add_layer_norm_ref(
@@ -37,9 +39,10 @@ def add_layer_norm_ref(
     bias: torch.Tensor | None,
     eps: float,
     store_sum: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x + residual
-    out = layer_norm_ref(s, weight, bias, eps)
+    s = x + residual  # a narrower residual is promoted to x's dtype, as eager's add does
+    out = layer_norm_ref(s, weight, bias, eps, out_dtype)
     return out, (s if store_sum else x.new_empty((0,)))
 
 
