@@ -109,3 +109,52 @@ def test_falcon_adamw_steps_equal_eager(variant):
     with torch.no_grad():
         ref, out = model(input_ids=ids).logits, ours(input_ids=ids).logits
     assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def test_autocast_layer_norm_keeps_eager_dtypes():
+    """Under CUDA autocast F.layer_norm runs in fp32 whatever its input: a bf16 model's norm returns
+    fp32 rows, which the rewrite must not turn into bf16 (it leaves such a norm to PyTorch and says
+    why). In training the norms that only feed GEMMs write the bf16 those read, and the loss and
+    gradients stay within bf16's distance of eager's."""
+
+    class Block(torch.nn.Module):  # the normalised rows are returned, not only fed to a linear
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)
+
+        def forward(self, x):
+            return self.norm(x + self.linear(x))
+
+    torch.manual_seed(0)
+    model = Block().cuda().bfloat16().eval()
+    reference = copy.deepcopy(model)
+    transfuse.optimize(model)
+    x = torch.randn(2, 37, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, theirs = model(x), reference(x)
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    rejected = [r for record in model._transfuse_state.backend.records for r in record.rejections
+                if r.pattern == "LayerNorm"]
+    assert rejected and all("autocast" in r.reason for r in rejected)
+
+    ids = torch.randint(0, 97, (2, 37), device="cuda")
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_embd=64, n_head=2, n_layer=2)).cuda().train()
+    reference = copy.deepcopy(model)
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = m(ids, ids)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)
+    counts = {}
+    for record in model._transfuse_state.backend.records:
+        for name, n in record.rewrites.items():
+            counts[name] = counts.get(name, 0) + n
+    assert counts.get("ResidualLayerNorm") == 4
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        rel = ((p.grad - r.grad).norm() / r.grad.norm().clamp_min(1e-12)).item()
+        assert rel < 0.05, (name, rel)

@@ -41,6 +41,12 @@ def run(ctx: PassContext) -> None:
         # norm whose every reader casts it to bf16 for its GEMM.
         residual = _residual_add(x, node, order, mixed=ctx.training)
         out_dtype = _autocast_readers_dtype(node) if ctx.training else None
+        ours = tensor_meta(residual[0] if residual is not None else x)
+        recorded = tensor_meta(node)
+        if out_dtype is None and ours is not None and recorded is not None and recorded.dtype != ours.dtype:
+            # autocast runs F.layer_norm in fp32 on half inputs; the op would return the input's dtype
+            ctx.reject(PLAIN, node, f"its output is {recorded.dtype} from a {ours.dtype} input (autocast)")
+            continue
         extra = () if out_dtype is None else (out_dtype,)
         value = node.meta.get("example_value")
         if out_dtype is not None and value is not None:
