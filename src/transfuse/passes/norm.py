@@ -167,6 +167,11 @@ def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, 
     names = (plain pattern, fused pattern) for the record. The old nodes are left to dead-code removal."""
     graph = ctx.gm.graph
     residual = residual_before(x, out, node_order(graph))
+    ours, recorded = tensor_meta(residual[0] if residual is not None else x), tensor_meta(out)
+    if ours is not None and recorded is not None and recorded.dtype != ours.dtype:
+        # the ops return their input's dtype (a promotion or autocast inside the written norm did not)
+        ctx.reject(names[0], out, f"its output is {recorded.dtype} from a {ours.dtype} input")
+        return
     with graph.inserting_before(out):
         if residual is None:
             new = graph.call_function(plain, (x, *args))
