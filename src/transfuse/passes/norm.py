@@ -40,7 +40,8 @@ def run(ctx: PassContext) -> None:
         # ops' arguments as they were): an fp32 residual stream plus a bf16 branch, and an fp32
         # norm whose every reader casts it to bf16 for its GEMM.
         residual = _residual_add(x, node, order, mixed=ctx.training)
-        out_dtype = _autocast_readers_dtype(node) if ctx.training else None
+        readers = _autocast_readers_dtype(node) if ctx.training else None
+        out_dtype = readers[0] if readers is not None else None
         ours = tensor_meta(residual[0] if residual is not None else x)
         recorded = tensor_meta(node)
         if out_dtype is None and ours is not None and recorded is not None and recorded.dtype != ours.dtype:
@@ -51,6 +52,9 @@ def run(ctx: PassContext) -> None:
         value = node.meta.get("example_value")
         if out_dtype is not None and value is not None:
             value = value.to(out_dtype)
+            for view in readers[1]:  # what later passes read of them: the dtype they now have
+                if tensor_meta(view) is not None:
+                    view.meta["example_value"] = tensor_meta(view).to(out_dtype)
         with graph.inserting_before(node):
             if residual is None:
                 new = graph.call_function(torch.ops.transfuse.layer_norm.default, (x, weight, bias, eps, *extra))
@@ -118,24 +122,42 @@ def _residual_add(x, norm: fx.Node, order: dict, mixed: bool = False) -> tuple |
     return a, b
 
 
-def _autocast_readers_dtype(norm: fx.Node) -> torch.dtype | None:
-    """The half dtype that every reader of the norm's output casts it to before using it, or None.
-    A reader is a linear taking the output as its input whose result has that narrower dtype: under
-    autocast it casts its input first (and only then could an fp32 input give a bf16 result). So
-    the norm may write that dtype itself: the same rounding, one pass, no cast in either direction."""
+def _autocast_readers_dtype(norm: fx.Node) -> tuple[torch.dtype, list[fx.Node]] | None:
+    """(the half dtype that every reader of the norm's output casts it to before using it, the view
+    and reshape nodes on the way), or None. A reader is a linear taking the output (or a view of it)
+    as its input whose result has that narrower dtype: under autocast it casts its input first (and
+    only then could an fp32 input give a bf16 result). So the norm may write that dtype itself: the
+    same rounding, one pass, no cast in either direction."""
     out = tensor_meta(norm)
     if out is None or out.dtype != torch.float32 or not norm.users:
         return None
-    dtypes = set()
-    for user in norm.users:
-        meta = tensor_meta(user)
-        if kind(user) != "linear" or user.args[0] is not norm or norm in user.args[1:] or meta is None:
-            return None
-        dtypes.add(meta.dtype)
-    if len(dtypes) != 1 or dtypes & {torch.float32}:
+    dtypes, views, stack = set(), [], [norm]
+    while stack:
+        source = stack.pop()
+        for user in source.users:
+            if (kind(user) in ("view", "reshape") or _slices(user)) and user.args[0] is source and user.users:
+                # GPT-2's Conv1D reads the rows through x.view(-1, hidden), its head through
+                # hidden[:, -k:, :] (logits_to_keep)
+                views.append(user)
+                stack.append(user)
+                continue
+            meta = tensor_meta(user)
+            if kind(user) != "linear" or user.args[0] is not source or source in user.args[1:] or meta is None:
+                return None
+            dtypes.add(meta.dtype)
+    if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
-    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+    return (dtype, views) if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _slices(node: fx.Node) -> bool:
+    """Whether node is `t[...]` with slices only (a view of t, no gather)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(isinstance(i, slice) and all(isinstance(b, (int, type(None))) for b in (i.start, i.stop, i.step))
+               or i is None or i is Ellipsis for i in index)
 
 
 def residual_before(x: fx.Node, out: fx.Node, order: dict) -> tuple | None:
