@@ -266,7 +266,6 @@ def test_config_follows_row_length():
     assert norm_config(16384, 8192).num_warps == 16
     assert norm_config(16384, 64).ROWS_PER_PROGRAM == 16
     assert norm_config(1, 64).ROWS_PER_PROGRAM == 1  # never more rows than there are
-    assert norm_config(128, 768).ROWS_PER_PROGRAM == 1  # few rows: one program each (bert 1x128)
 
 
 def test_errors():
@@ -326,3 +325,13 @@ def test_references_match_torch_functional(dtype):
     _, s = add_layer_norm_ref(x, residual, weight, bias, eps, True)
     assert torch.equal(s, x + residual)
     assert add_rms_norm_ref(x, residual, weight, eps, 0.0, True, False)[1].shape == (0,)
+
+
+def test_few_rows_spread_on_a_gpu_grouped_under_the_interpreter(monkeypatch):
+    import transfuse.kernels.norm as norm_module
+
+    monkeypatch.setattr(norm_module, "INTERPRET", False)
+    assert norm_config(128, 768).ROWS_PER_PROGRAM == 1  # few rows: one program each (bert 1x128)
+    assert norm_config(4096, 768).ROWS_PER_PROGRAM == 4
+    monkeypatch.setattr(norm_module, "INTERPRET", True)  # a program costs milliseconds of Python there
+    assert norm_config(128, 768).ROWS_PER_PROGRAM == 4

@@ -167,6 +167,42 @@ def test_autocast_block_backward_equals_eager(half, store_sum):
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-2 if g.dtype == half else 1e-4, atol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("store_sum", [False, True])
+def test_autocast_rms_block_backward_equals_eager(store_sum):
+    """Llama's block under autocast: `rms_norm(x + branch)` on the fp32 stream, its output cast to bf16
+    for the projections; add_rms_norm(..., out_dtype=bf16) gives eager's output, sum and gradients."""
+    shape, n = (3, 5, 40), 40
+    x, branch = _randn(shape, torch.float32, shift=0.5), _randn(shape, torch.bfloat16, scale=2.0)
+    weight = _randn((n,), torch.float32)
+    dout, dsum = _randn(shape, torch.bfloat16), _randn(shape, torch.float32)
+
+    def eager(x, branch, weight):
+        s = x + branch
+        return rms_norm_ref(s, weight, 1e-6, 0.0, True).to(torch.bfloat16), s
+
+    def ours(x, branch, weight):
+        return ops.add_rms_norm(x, branch, weight, 1e-6, 0.0, True, store_sum, torch.bfloat16)
+
+    grads_in = [dout, dsum if store_sum else None]
+    out, s = ours(x, branch, weight)
+    want_out, want_s = eager(x, branch, weight)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0.02)
+    if store_sum:
+        assert torch.equal(s, want_s)
+    got = _grads(ours, [x, branch, weight], grads_in)
+    want = _grads(eager, [x, branch, weight], grads_in)
+    for name, g, w in zip(("x", "branch", "weight"), got, want, strict=True):
+        assert g.dtype == w.dtype, name
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-2 if g.dtype == torch.bfloat16 else 1e-4,
+                                   atol=1e-4, msg=name)
+
+
+def test_out_dtype_must_not_widen():
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.layer_norm(torch.randn(2, 8, dtype=torch.bfloat16), None, None, 1e-5, torch.float32)
+
+
 def test_layer_norm_backward_takes_a_half_gradient_of_an_fp32_input():
     """A norm that wrote bf16 (out_dtype) gets its gradient in bf16: the kernel widens it as it loads."""
     x, dy = _randn((4, 40), torch.float32), _randn((4, 40), torch.bfloat16)

@@ -18,9 +18,9 @@ SCHEMAS = {
     "add_layer_norm": "transfuse::add_layer_norm(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, "
     "float eps, bool store_sum, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
     "rms_norm": "transfuse::rms_norm(Tensor x, Tensor? weight, float eps, float weight_offset, "
-    "bool cast_before_weight) -> Tensor",
+    "bool cast_before_weight, ScalarType? out_dtype=None) -> Tensor",
     "add_rms_norm": "transfuse::add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, "
-    "float weight_offset, bool cast_before_weight, bool store_sum) -> (Tensor, Tensor)",
+    "float weight_offset, bool cast_before_weight, bool store_sum, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
 }
 
 
@@ -50,6 +50,8 @@ def _cases():
         ("rms_norm", (strided, None, 1e-6, 0.0, True)),
         ("add_rms_norm", (xh, rh, wh, 1e-6, 0.0, True, True)),
         ("add_rms_norm", (x, strided, w, 1e-6, 1.0, False, False)),
+        ("rms_norm", (x, w, 1e-6, 0.0, True, torch.bfloat16)),
+        ("add_rms_norm", (x, residual.bfloat16(), w, 1e-6, 0.0, True, True, torch.bfloat16)),
     ]
 
 

@@ -264,13 +264,19 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family):
             _step(m, ids, ids)
     ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
     assert _rewrites(model)["LinearEpilogue"] == 2  # in bf16: the pass casts as autocast does
-    if family != "llama":
-        # the fp32 residual stream plus a bf16 branch (GPT-2 adds them the other way round),
-        # normalised straight to bf16 for the next GEMM
-        assert _rewrites(model)["ResidualLayerNorm"] == 4
-        norms = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes
-                 if n.target in (torch.ops.transfuse.layer_norm.default, torch.ops.transfuse.add_layer_norm.default)]
-        assert len(norms) == 5 and all(n.args[-1] == torch.bfloat16 for n in norms)
+    # the fp32 residual stream plus a bf16 branch (GPT-2 adds them the other way round), normalised
+    # straight to bf16 for the next GEMMs
+    fused = {"nanogpt": "ResidualLayerNorm", "gpt2": "ResidualLayerNorm", "llama": "ResidualRMSNorm"}[family]
+    assert _rewrites(model)[fused] == 4
+    ops = torch.ops.transfuse
+    norm_ops = (ops.layer_norm.default, ops.add_layer_norm.default, ops.rms_norm.default, ops.add_rms_norm.default)
+    norms = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes if n.target in norm_ops]
+    assert len(norms) == 5 and all(n.args[-1] == torch.bfloat16 for n in norms)
+    # attention gets bf16 operands, as autocast gives SDPA's (Llama's rotary and cache leave them fp32)
+    attention = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes
+                 if n.target is ops.attention_train.default]
+    assert len(attention) == 2
+    assert all(a.meta["example_value"].dtype == torch.bfloat16 for n in attention for a in n.args[:3])
     worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
     assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
 

@@ -68,7 +68,8 @@ def norm_config(n_rows: int, n_cols: int) -> NormConfig:
     else:
         num_warps = 4
     rows = 1
-    if block_n <= 1024 and n_rows > SPREAD_ROWS_MAX:
+    # Under the interpreter a program costs milliseconds of Python whatever its size: rows grouped.
+    if block_n <= 1024 and (n_rows > SPREAD_ROWS_MAX or INTERPRET):
         # Measured on an H200 (bench_norm.py --sweep, 2026-11-21): 16384x768 fp16 add_layer_norm
         # ran in 24 us with 4 rows on 2 warps against 50 us with 1 row on 4 warps.
         rows = min(4096 // block_n, 16, next_power_of_2(max(n_rows, 1)))
@@ -248,11 +249,13 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
 
 
 def check_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
-    """The output dtype of a norm asked for out_dtype (None: x's)."""
+    """The output dtype of a norm asked for out_dtype (None: x's): x's or a narrower one, so that the
+    result is `norm(x).to(out_dtype)` with one rounding (from fp32) either way."""
     if out_dtype is None:
         return x.dtype
-    if out_dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"transfuse norm: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if out_dtype not in _SUPPORTED_DTYPES or torch.promote_types(out_dtype, x.dtype) != x.dtype:
+        raise TypeError(f"transfuse norm: out_dtype must be x's dtype ({x.dtype}) or a narrower float dtype, "
+                        f"got {out_dtype}")
     return out_dtype
 
 
@@ -280,8 +283,9 @@ def check_layer_norm_args(x, weight, bias, residual=None, out_dtype=None) -> tor
     return check_out_dtype(x, out_dtype)
 
 
-def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=None) -> torch.dtype:
-    """Raise on arguments the kernel does not take; return the output dtype, which is x's.
+def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=None, out_dtype=None) -> torch.dtype:
+    """Raise on arguments the kernel does not take; return the output dtype, which is x's unless
+    out_dtype says otherwise (the result then rounded once to it, as a cast after the norm rounds).
 
     cast_before_weight=True (Llama, T5): `weight * h.to(x.dtype)` promotes to the wider of the two
     dtypes in eager, so the weight must have x's dtype for the output to be x's. With
@@ -294,7 +298,7 @@ def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=N
     _check_affine(weight, x, "weight", allowed)
     if weight is None and weight_offset != 0.0:
         raise ValueError("transfuse norm: weight_offset must be 0.0 when there is no weight")
-    return x.dtype
+    return check_out_dtype(x, out_dtype)
 
 
 def _leading_layout(tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, int]]] | None:
@@ -456,11 +460,12 @@ def rms_norm_fwd(
     weight_offset: float,
     cast_before_weight: bool,
     *,
+    out_dtype: torch.dtype | None = None,
     config: NormConfig | None = None,
 ) -> torch.Tensor:
     """RMSNorm of x: (..., N) over N, in the Hugging Face flavour the flags name (module docstring).
-    Returns a contiguous tensor of x's shape and dtype."""
-    out_dtype = check_rms_norm_args(x, weight, weight_offset, cast_before_weight)
+    Returns a contiguous tensor of x's shape, in x's dtype or out_dtype."""
+    out_dtype = check_rms_norm_args(x, weight, weight_offset, cast_before_weight, out_dtype=out_dtype)
     out, _ = _norm_fwd("rms", x, None, weight, None, eps, weight_offset, cast_before_weight, False, out_dtype,
                        config)
     return out
@@ -475,10 +480,12 @@ def add_rms_norm_fwd(
     cast_before_weight: bool,
     store_sum: bool,
     *,
+    out_dtype: torch.dtype | None = None,
     config: NormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """s = x + residual (in x's dtype); returns (rms_norm(s), s), or (rms_norm(s), empty (0,)) when
-    store_sum is False."""
-    out_dtype = check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    """s = x + residual (in x's dtype; residual may be narrower, promoted as eager adds); returns
+    (rms_norm(s), s), or (rms_norm(s), empty (0,)) when store_sum is False; rms_norm(s) in x's dtype
+    or out_dtype."""
+    out_dtype = check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual, out_dtype)
     return _norm_fwd("rms", x, residual, weight, None, eps, weight_offset, cast_before_weight, store_sum,
                      out_dtype, config)

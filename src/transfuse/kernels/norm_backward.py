@@ -419,7 +419,7 @@ def rms_norm_bwd(
     dx contiguous in x's dtype (also dresidual), dweight (N,) in weight's dtype; None for what was
     not asked for or has no parameter."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    _check_grad(dy, x, "dy")
+    _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
     dx, dweight, _ = _norm_bwd("rms", dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight,
                                compute_dx, compute_dweight, False, config)

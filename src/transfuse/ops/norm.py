@@ -81,16 +81,18 @@ def rms_norm(
     eps: float,
     weight_offset: float,
     cast_before_weight: bool,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim. cast_before_weight=True, weight_offset=0: Llama/Mistral/Qwen2 (and
     T5 with a weight of x's dtype); cast_before_weight=False: F.rms_norm (offset 0) and Gemma
-    (offset 1.0). Output dtype is x's; see kernels.norm.check_rms_norm_args for the weight dtypes."""
-    return kernels.rms_norm_fwd(x, weight, eps, weight_offset, cast_before_weight)
+    (offset 1.0). Output dtype is x's or out_dtype; see kernels.norm.check_rms_norm_args for the
+    weight dtypes."""
+    return kernels.rms_norm_fwd(x, weight, eps, weight_offset, cast_before_weight, out_dtype=out_dtype)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, weight_offset, cast_before_weight):
-    out_dtype = kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight)
+def _(x, weight, eps, weight_offset, cast_before_weight, out_dtype=None):
+    out_dtype = kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, out_dtype=out_dtype)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
@@ -103,14 +105,17 @@ def add_rms_norm(
     weight_offset: float,
     cast_before_weight: bool,
     store_sum: bool,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual); the second is an empty (0,) tensor unless store_sum."""
-    return kernels.add_rms_norm_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, store_sum)
+    """(rms_norm(x + residual), x + residual); the second is an empty (0,) tensor unless store_sum.
+    residual may be narrower than x; out_dtype as in rms_norm."""
+    return kernels.add_rms_norm_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, store_sum,
+                                    out_dtype=out_dtype)
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps, weight_offset, cast_before_weight, store_sum):
-    out_dtype = kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+def _(x, residual, weight, eps, weight_offset, cast_before_weight, store_sum, out_dtype=None):
+    out_dtype = kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual, out_dtype)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape if store_sum else (0,))
 
 
@@ -248,7 +253,7 @@ def _add_layer_norm_backward(ctx, dout, dsum):
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, eps, weight_offset, cast_before_weight = inputs
+    x, weight, eps, weight_offset, cast_before_weight = inputs[:5]
     ctx.args = (eps, weight_offset, cast_before_weight)
     _save(ctx, x, None, None, False, weight)
 
@@ -258,12 +263,13 @@ def _rms_norm_backward(ctx, dout):
     need_x, need_weight = ctx.needs_input_grad[:2]
     dx, dweight = torch.ops.transfuse.rms_norm_backward(
         _output_grad(dout, x), x, None, None, weight, *ctx.args, need_x, need_weight)
-    return _needed(dx, need_x), _needed(dweight, need_weight), None, None, None
+    return _needed(dx, need_x), _needed(dweight, need_weight), None, None, None, None
 
 
 def _add_rms_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, eps, weight_offset, cast_before_weight, store_sum = inputs
+    x, residual, weight, eps, weight_offset, cast_before_weight, store_sum = inputs[:7]
     ctx.args = (eps, weight_offset, cast_before_weight)
+    ctx.residual_dtype = residual.dtype
     _save(ctx, x, residual, output[1], store_sum, weight)
 
 
@@ -274,7 +280,8 @@ def _add_rms_norm_backward(ctx, dout, dsum):
     ds, dweight = torch.ops.transfuse.rms_norm_backward(
         _output_grad(dout, rows), rows, residual, dsum, weight, *ctx.args, need_x or need_residual,
         need_weight)
-    return _needed(ds, need_x), _needed(ds, need_residual), _needed(dweight, need_weight), None, None, None, None
+    dresidual = ds.to(ctx.residual_dtype) if need_residual else None  # as in _add_layer_norm_backward
+    return _needed(ds, need_x), dresidual, _needed(dweight, need_weight), None, None, None, None, None
 
 
 layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)

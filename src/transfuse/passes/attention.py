@@ -187,8 +187,21 @@ def _match_sdpa(node: fx.Node) -> dict:
     return dict(
         out=node, q=q, k=k, v=v, k_transposed=False, masks=[mask] if mask is not None else [],
         bool_masks=[], scale=1.0 / math.sqrt(head_dim) if scale is None else scalar(scale),
-        is_causal=is_causal, masked_rows_zero=True, chain=[],
+        is_causal=is_causal, masked_rows_zero=True, chain=[], autocast=_autocast_dtype(node, (q, k, v)),
     )
+
+
+def _autocast_dtype(node: fx.Node, operands) -> torch.dtype | None:
+    """The half dtype torch.autocast runs this SDPA in, or None. Under autocast SDPA casts every
+    floating argument to the autocast dtype, which its recorded output then has; without autocast q,
+    k and v must share a dtype, which the output keeps. (Llama's rotary products and its cache's
+    torch.cat leave q, k and v in fp32 on an autocast model: eager's attention still runs in bf16.)"""
+    out, metas = tensor_meta(node), [tensor_meta(t) for t in operands]
+    if out is None or any(m is None or not m.dtype.is_floating_point for m in metas):
+        return None
+    if out.dtype in (torch.float16, torch.bfloat16) and any(m.dtype != out.dtype for m in metas):
+        return out.dtype
+    return None
 
 
 def _leads_to_scores(node, depth: int = 12) -> bool:
@@ -308,6 +321,8 @@ def _check_operands(spec: dict) -> None:
     q, k, v = (tensor_meta(spec[n]) for n in ("q", "k", "v"))
     if q is None or k is None or v is None:
         raise Reject("q, k or v has no recorded tensor value")
+    if spec.get("autocast") is not None:  # the op gets them cast, as autocast casts them
+        q, k, v = (t.to(spec["autocast"]) for t in (q, k, v))
     if not (q.dtype == k.dtype == v.dtype):
         raise Reject(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -421,6 +436,11 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
     if mask is not None and summarise and not ctx.training:
         summary = _mask_summary(graph, spec, q, mask, q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2], summaries)
     with graph.inserting_before(out):
+        if spec.get("autocast") is not None:
+            # what torch.autocast does to SDPA's arguments: every floating one to its dtype
+            q, k, v = (_cast(graph, t, spec["autocast"]) for t in (q, k, v))
+            if mask is not None and tensor_meta(mask) is not None and tensor_meta(mask).dtype.is_floating_point:
+                mask = _cast(graph, mask, spec["autocast"])
         if ctx.training:
             new = graph.call_function(torch.ops.transfuse.attention_train.default,
                                       (q, k, v, _additive(graph, mask), float(spec["scale"]), spec["is_causal"]))
@@ -435,6 +455,14 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
             new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)
+
+
+def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    if tensor_meta(node).dtype == dtype:
+        return node
+    cast = graph.call_method("to", (node, dtype))
+    cast.meta["example_value"] = tensor_meta(node).to(dtype)
+    return cast
 
 
 def _keys(graph: fx.Graph, spec: dict) -> fx.Node:

@@ -160,13 +160,13 @@ def _slices(node: fx.Node) -> bool:
                or i is None or i is Ellipsis for i in index)
 
 
-def residual_before(x: fx.Node, out: fx.Node, order: dict) -> tuple | None:
-    """(a, b) when x = a + b fits the fused kernel (_residual_add's rules) and every reader of
-    x outside this normalisation comes after its output, where the kernel produces the sum."""
+def residual_before(x: fx.Node, out: fx.Node, order: dict, mixed: bool = False) -> tuple | None:
+    """(a, b) when x = a + b fits the fused kernel (_residual_add's rules, `mixed` as there) and every
+    reader of x outside this normalisation comes after its output, where the kernel produces the sum."""
     outside = [u for u in x.users if not inside(u, out)]
     if any(order[u] < order[out] for u in outside):
         return None
-    return _residual_add(x, out, {**order, **{u: order[out] + 1 for u in x.users if u not in outside}})
+    return _residual_add(x, out, {**order, **{u: order[out] + 1 for u in x.users if u not in outside}}, mixed)
 
 
 def inside(user: fx.Node, out: fx.Node) -> bool:
@@ -188,26 +188,34 @@ def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, 
     by `fused(a, b, *args, store_sum)` (the sum stored when something else still reads x).
     names = (plain pattern, fused pattern) for the record. The old nodes are left to dead-code removal."""
     graph = ctx.gm.graph
-    residual = residual_before(x, out, node_order(graph))
+    # autocast's forms in training graphs, as in run() above
+    residual = residual_before(x, out, node_order(graph), mixed=ctx.training)
+    readers = _autocast_readers_dtype(out) if ctx.training else None
+    extra = () if readers is None else (readers[0],)
     ours, recorded = tensor_meta(residual[0] if residual is not None else x), tensor_meta(out)
-    if ours is not None and recorded is not None and recorded.dtype != ours.dtype:
+    if readers is None and ours is not None and recorded is not None and recorded.dtype != ours.dtype:
         # the ops return their input's dtype (a promotion or autocast inside the written norm did not)
         ctx.reject(names[0], out, f"its output is {recorded.dtype} from a {ours.dtype} input")
         return
+    if readers is not None:
+        for view in readers[1]:
+            if tensor_meta(view) is not None:
+                view.meta["example_value"] = tensor_meta(view).to(readers[0])
     with graph.inserting_before(out):
         if residual is None:
-            new = graph.call_function(plain, (x, *args))
+            new = graph.call_function(plain, (x, *args, *extra))
             ctx.matched(names[0])
         else:
             store_sum = any(u for u in x.users if not inside(u, out))
-            node = graph.call_function(fused, (*residual, *args, store_sum))
+            node = graph.call_function(fused, (*residual, *args, store_sum, *extra))
             new = graph.call_function(operator.getitem, (node, 0))
             if store_sum:
                 total = graph.call_function(operator.getitem, (node, 1))
                 total.meta["example_value"] = tensor_meta(x)
                 x.replace_all_uses_with(total, delete_user_cb=lambda u: not inside(u, out))
             ctx.matched(names[1])
-        new.meta["example_value"] = out.meta.get("example_value", out.meta.get("val"))
+        value = out.meta.get("example_value", out.meta.get("val"))
+        new.meta["example_value"] = value.to(readers[0]) if readers is not None and value is not None else value
     out.replace_all_uses_with(new)
 
 

@@ -52,7 +52,10 @@ def rms_norm_ref(
     eps: float,
     weight_offset: float,
     cast_before_weight: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    if out_dtype is not None:  # `rms_norm(x).to(out_dtype)`
+        return rms_norm_ref(x, weight, eps, weight_offset, cast_before_weight).to(out_dtype)
     input_dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -76,7 +79,8 @@ def add_rms_norm_ref(
     weight_offset: float,
     cast_before_weight: bool,
     store_sum: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x + residual
-    out = rms_norm_ref(s, weight, eps, weight_offset, cast_before_weight)
+    s = x + residual  # a narrower residual is promoted to x's dtype, as eager's add does
+    out = rms_norm_ref(s, weight, eps, weight_offset, cast_before_weight, out_dtype)
     return out, (s if store_sum else x.new_empty((0,)))
