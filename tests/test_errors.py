@@ -63,7 +63,10 @@ def test_t5_inputs_past_the_relative_buckets_and_an_empty_decoder_prompt():
     config_cls, model_cls, config, _ = FAMILIES["t5"]
     # 8 buckets up to distance 6: the decoder's exact (0-3), logarithmic (4, 5) and last (6 and more)
     # buckets, and the encoder's (its last from 4), all occur in 9 input and 8 decoder positions.
-    config = dict(config, relative_attention_max_distance=6, relative_attention_num_buckets=8)
+    # One layer each side: the buckets are computed in the first layer (handing the bias on to the
+    # next is test_encoder_decoder_families.py's, at two layers).
+    config = dict(config, relative_attention_max_distance=6, relative_attention_num_buckets=8, num_layers=1,
+                  num_decoder_layers=1)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
     ids = torch.randint(3, 97, (2, 9))

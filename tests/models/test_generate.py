@@ -9,13 +9,17 @@ import transformers
 import transfuse
 
 
-def _lm(family, positions=64, **config):
+def _lm(family, positions=64, layers=2, **config):
+    """Tiny GPT-2 or Llama. Some tests of what generate() does around the model (the position check,
+    a processor left to Hugging Face, inference mode) use one layer: the interpreted kernels cost in
+    proportion to the layers. What spans layers (one cache per layer, reordered by beam search; one
+    mask summary per forward) keeps two here and in test_decoder_families.py."""
     common = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
     if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=positions,
-                                                                    **common))
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=2,
+                                                                    n_positions=positions, **common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
+        hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
         max_position_embeddings=positions, **common))
 
 
@@ -132,7 +136,7 @@ def test_decode_loop_leaves_what_it_does_not_implement_to_hf():
     """A processor that reads the generated ids (repetition penalty) runs Hugging Face's loop, named
     in the report; return_dict_in_generate runs the loop and returns the cache."""
     torch.manual_seed(0)
-    model = _lm("llama").eval()
+    model = _lm("llama", layers=1).eval()
     ids = torch.randint(3, 97, (2, 5))
     kwargs = dict(max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
     with torch.no_grad():
@@ -166,7 +170,7 @@ def test_static_cache_decode_shares_one_mask_summary():
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_generate_past_the_model_positions_is_a_clear_error(family):
-    model = _lm(family, positions=16).eval()
+    model = _lm(family, positions=16, layers=1).eval()
     transfuse.optimize(model)
     ids = torch.randint(3, 97, (1, 12))
     with torch.no_grad(), pytest.raises(ValueError, match="max_new_tokens to at most 4"):
@@ -243,7 +247,7 @@ def test_generate_inside_then_outside_inference_mode():
     """The reused cache and the decode loop's buffers are written in place by every call: created
     under torch.inference_mode(), they must still take a call made outside it."""
     torch.manual_seed(0)
-    model = _lm("llama").eval()
+    model = _lm("llama", layers=1).eval()
     ids = torch.randint(3, 97, (1, 5))
     ref = model.generate(ids, max_new_tokens=4, do_sample=False)
     transfuse.optimize(model)

@@ -7,9 +7,20 @@ import functools
 
 import pytest
 import torch
+import transformers
 
 import transfuse
-from tests.models.test_decoder_families import _build
+from tests.models.test_decoder_families import FAMILIES
+
+
+def _build(family):
+    """The family's tiny model at one layer: the step inputs (ids, positions, mask) are made outside
+    the layers and are the same for every layer (the family tests run two)."""
+    config_cls, model_cls, config, _ = FAMILIES[family]
+    one_layer = dict(n_layer=1) if family == "gpt2" else dict(num_hidden_layers=1)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**config, **one_layer})).eval()
+
 
 # Host-side logic on tiny fp32 CPU models through the interpreter (exact token equality); on a GPU
 # the same paths run in tests/models/test_decoders_gpu.py::test_generate_equals_eager.
