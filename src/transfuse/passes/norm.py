@@ -40,21 +40,10 @@ def run(ctx: PassContext) -> None:
         # ops' arguments as they were): an fp32 residual stream plus a bf16 branch, and an fp32
         # norm whose every reader casts it to bf16 for its GEMM.
         residual = _residual_add(x, node, order, mixed=ctx.training)
-        readers = _autocast_readers_dtype(node) if ctx.training else None
-        out_dtype = readers[0] if readers is not None else None
-        ours = tensor_meta(residual[0] if residual is not None else x)
-        recorded = tensor_meta(node)
-        if out_dtype is None and ours is not None and recorded is not None and recorded.dtype != ours.dtype:
-            # autocast runs F.layer_norm in fp32 on half inputs; the op would return the input's dtype
-            ctx.reject(PLAIN, node, f"its output is {recorded.dtype} from a {ours.dtype} input (autocast)")
+        output = _output_dtype(ctx, PLAIN, node, residual[0] if residual is not None else x)
+        if output is None:
             continue
-        extra = () if out_dtype is None else (out_dtype,)
-        value = node.meta.get("example_value")
-        if out_dtype is not None and value is not None:
-            value = value.to(out_dtype)
-            for view in readers[1]:  # what later passes read of them: the dtype they now have
-                if tensor_meta(view) is not None:
-                    view.meta["example_value"] = tensor_meta(view).to(out_dtype)
+        extra, value = output
         with graph.inserting_before(node):
             if residual is None:
                 new = graph.call_function(torch.ops.transfuse.layer_norm.default, (x, weight, bias, eps, *extra))
@@ -151,6 +140,28 @@ def _autocast_readers_dtype(norm: fx.Node) -> tuple[torch.dtype, list[fx.Node]] 
     return (dtype, views) if dtype in (torch.float16, torch.bfloat16) else None
 
 
+def _output_dtype(ctx: PassContext, pattern: str, out: fx.Node, first_input: fx.Node) -> tuple[tuple, object] | None:
+    """(the norm op's trailing out_dtype argument, its recorded value) for the op replacing the
+    normalisation that ends at `out`; None, with the reason recorded, when out's recorded dtype is not
+    the one the op returns (its first input's). In a training graph whose readers all cast the output
+    to a half dtype (_autocast_readers_dtype), that dtype: the views on the way get it recorded too."""
+    value = out.meta.get("example_value", out.meta.get("val"))
+    readers = _autocast_readers_dtype(out) if ctx.training else None
+    if readers is not None:
+        dtype, views = readers
+        for view in views:  # what later passes read of them: the dtype they now have
+            if tensor_meta(view) is not None:
+                view.meta["example_value"] = tensor_meta(view).to(dtype)
+        return (dtype,), (value.to(dtype) if value is not None else None)
+    ours, recorded = tensor_meta(first_input), tensor_meta(out)
+    if ours is not None and recorded is not None and recorded.dtype != ours.dtype:
+        # autocast runs F.layer_norm in fp32 on half inputs, a written norm may promote: the ops
+        # return their input's dtype
+        ctx.reject(pattern, out, f"its output is {recorded.dtype} from a {ours.dtype} input (autocast or a promotion)")
+        return None
+    return (), value
+
+
 def _slices(node: fx.Node) -> bool:
     """Whether node is `t[...]` with slices only (a view of t, no gather)."""
     if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
@@ -190,17 +201,10 @@ def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, 
     graph = ctx.gm.graph
     # autocast's forms in training graphs, as in run() above
     residual = residual_before(x, out, node_order(graph), mixed=ctx.training)
-    readers = _autocast_readers_dtype(out) if ctx.training else None
-    extra = () if readers is None else (readers[0],)
-    ours, recorded = tensor_meta(residual[0] if residual is not None else x), tensor_meta(out)
-    if readers is None and ours is not None and recorded is not None and recorded.dtype != ours.dtype:
-        # the ops return their input's dtype (a promotion or autocast inside the written norm did not)
-        ctx.reject(names[0], out, f"its output is {recorded.dtype} from a {ours.dtype} input")
+    output = _output_dtype(ctx, names[0], out, residual[0] if residual is not None else x)
+    if output is None:
         return
-    if readers is not None:
-        for view in readers[1]:
-            if tensor_meta(view) is not None:
-                view.meta["example_value"] = tensor_meta(view).to(readers[0])
+    extra, value = output
     with graph.inserting_before(out):
         if residual is None:
             new = graph.call_function(plain, (x, *args, *extra))
@@ -214,8 +218,7 @@ def replace_with_norm(ctx: PassContext, out: fx.Node, x: fx.Node, plain, fused, 
                 total.meta["example_value"] = tensor_meta(x)
                 x.replace_all_uses_with(total, delete_user_cb=lambda u: not inside(u, out))
             ctx.matched(names[1])
-        value = out.meta.get("example_value", out.meta.get("val"))
-        new.meta["example_value"] = value.to(readers[0]) if readers is not None and value is not None else value
+        new.meta["example_value"] = value
     out.replace_all_uses_with(new)
 
 
