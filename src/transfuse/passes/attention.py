@@ -29,6 +29,7 @@ from transfuse.ops.attention import mask_summary_for
 
 from transfuse.passes.graph import (
     arg,
+    cast_to,
     is_last_two_transpose,
     is_tensor,
     kind,
@@ -438,9 +439,9 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
     with graph.inserting_before(out):
         if spec.get("autocast") is not None:
             # what torch.autocast does to SDPA's arguments: every floating one to its dtype
-            q, k, v = (_cast(graph, t, spec["autocast"]) for t in (q, k, v))
+            q, k, v = (cast_to(graph, t, spec["autocast"]) for t in (q, k, v))
             if mask is not None and tensor_meta(mask) is not None and tensor_meta(mask).dtype.is_floating_point:
-                mask = _cast(graph, mask, spec["autocast"])
+                mask = cast_to(graph, mask, spec["autocast"])
         if ctx.training:
             new = graph.call_function(torch.ops.transfuse.attention_train.default,
                                       (q, k, v, _additive(graph, mask), float(spec["scale"]), spec["is_causal"]))
@@ -455,14 +456,6 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
             new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)
-
-
-def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-    if tensor_meta(node).dtype == dtype:
-        return node
-    cast = graph.call_method("to", (node, dtype))
-    cast.meta["example_value"] = tensor_meta(node).to(dtype)
-    return cast
 
 
 def _keys(graph: fx.Graph, spec: dict) -> fx.Node:

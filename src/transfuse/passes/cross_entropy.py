@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from transfuse.ops.cross_entropy import linear_cross_entropy, linear_logits_cross_entropy
-from transfuse.passes.graph import arg, kind, single_user, tensor_meta
+from transfuse.passes.graph import arg, cast_to, kind, single_user, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "CrossEntropy"
@@ -166,10 +166,7 @@ def _fuse_returned_head(ctx: PassContext, ce: fx.Node, linear: fx.Node, target: 
     vocab = tensor_meta(weight).shape[0]
     pad = VOCAB_MULTIPLE if vocab % VOCAB_MULTIPLE else 0
     with graph.inserting_after(linear):
-        if tensor_meta(x).dtype != out_meta.dtype:  # under autocast: the GEMM runs in the autocast dtype
-            cast = graph.call_method("to", (x, out_meta.dtype))
-            cast.meta["example_value"] = tensor_meta(x).to(out_meta.dtype)
-            x = cast
+        x = cast_to(graph, x, out_meta.dtype)  # under autocast: the GEMM runs in the autocast dtype
     with graph.inserting_after(x if x is not arg(linear, 0, "input") else linear):
         pair = graph.call_function(linear_logits_cross_entropy, (x, weight, bias, target, *settings, pad))
     with graph.inserting_after(pair):
@@ -223,8 +220,7 @@ def run(ctx: PassContext) -> None:
             if linear is not None:
                 x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
                 out_dtype = tensor_meta(linear).dtype
-                if tensor_meta(x).dtype != out_dtype:  # under autocast: the GEMM runs in the autocast dtype
-                    x = graph.call_method("to", (x, out_dtype))
+                x = cast_to(graph, x, out_dtype)  # under autocast: the GEMM runs in the autocast dtype
                 vocab = tensor_meta(weight).shape[0]
                 pad = VOCAB_MULTIPLE if isinstance(vocab, int) and vocab % VOCAB_MULTIPLE else 0
                 new = graph.call_function(linear_cross_entropy, (x, weight, bias, target, *settings, pad))

@@ -149,6 +149,16 @@ def tensor_meta(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def cast_to(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """`node.to(dtype)` at the graph's insertion point, with its recorded value; node itself when it
+    already has that dtype. What the passes insert where torch.autocast casts an op's operands."""
+    if tensor_meta(node).dtype == dtype:
+        return node
+    cast = graph.call_method("to", (node, dtype))
+    cast.meta["example_value"] = tensor_meta(node).to(dtype)
+    return cast
+
+
 def is_tensor(node: Any) -> bool:
     return tensor_meta(node) is not None
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, kind, same_shape, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, cast_to, kind, same_shape, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
@@ -105,11 +105,9 @@ def _operands(graph: fx.Graph, linear: fx.Node) -> tuple:
     dtype = tensor_meta(linear).dtype
     operands = []
     for a in (arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")):
-        if a is not None and tensor_meta(a).dtype != dtype:
+        if a is not None:
             with graph.inserting_before(linear):
-                cast = graph.call_method("to", (a, dtype))
-            cast.meta["example_value"] = tensor_meta(a).to(dtype)
-            a = cast
+                a = cast_to(graph, a, dtype)
         operands.append(a)
     return tuple(operands)
 
