@@ -40,6 +40,7 @@ import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2
 from transfuse.kernels.norm import (
+    _SUPPORTED_DTYPES,
     _check_runnable,
     _device_guard,
     _leading_layout,
@@ -273,7 +274,7 @@ def _check_grad(grad: torch.Tensor | None, x: torch.Tensor, name: str, any_dtype
     of a forward that wrote another dtype than x's: it is widened to fp32 as it is loaded)."""
     if grad is None:
         return
-    dtype_ok = grad.dtype in (torch.float16, torch.bfloat16, torch.float32) if any_dtype else grad.dtype == x.dtype
+    dtype_ok = grad.dtype in _SUPPORTED_DTYPES if any_dtype else grad.dtype == x.dtype
     if grad.shape != x.shape or not dtype_ok or grad.device != x.device:
         raise ValueError(
             f"transfuse norm backward: {name} must have the shape, dtype and device of x, got "
