@@ -159,6 +159,44 @@ def cast_to(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     return cast
 
 
+def autocast_readers(node: fx.Node) -> tuple[torch.dtype, list[fx.Node]] | None:
+    """(the half dtype that every reader of node's fp32 value casts it to before using it, the view,
+    reshape and slice nodes on the way), or None. A reader is a linear taking the value (or a view of
+    it) as its input whose result has that narrower dtype: under autocast it casts its input first
+    (and only then could an fp32 input give a bf16 result). So the op computing node may write that
+    dtype itself: the same rounding, one pass, no cast in either direction."""
+    out = tensor_meta(node)
+    if out is None or out.dtype != torch.float32 or not node.users:
+        return None
+    dtypes, views, stack = set(), [], [node]
+    while stack:
+        source = stack.pop()
+        for user in source.users:
+            if (kind(user) in ("view", "reshape") or slices_only(user)) and user.args[0] is source and user.users:
+                # GPT-2's Conv1D reads the rows through x.view(-1, hidden), its head through
+                # hidden[:, -k:, :] (logits_to_keep)
+                views.append(user)
+                stack.append(user)
+                continue
+            meta = tensor_meta(user)
+            if kind(user) != "linear" or user.args[0] is not source or source in user.args[1:] or meta is None:
+                return None
+            dtypes.add(meta.dtype)
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    return (dtype, views) if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def slices_only(node: fx.Node) -> bool:
+    """Whether node is `t[...]` with slices only (a view of t, no gather)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(isinstance(i, slice) and all(isinstance(b, (int, type(None))) for b in (i.start, i.stop, i.step))
+               or i is None or i is Ellipsis for i in index)
+
+
 def is_tensor(node: Any) -> bool:
     return tensor_meta(node) is not None
 

@@ -13,7 +13,9 @@ same cuBLAS GEMMs forward and backward, without a custom op's overhead.
 
 Under torch.autocast F.linear's output has the autocast dtype while its operands need not (fp32
 parameters, often an fp32 input): autocast casts all three before the GEMM, so the rewrite puts the
-same casts in front of the op, and the GEMM and its epilogue run in that dtype, as eager's do.
+same casts in front of the op, and the GEMM and its epilogue run in that dtype, as eager's do. An
+activation that autocast finishes in fp32 (CUDA autocast runs `pow` in fp32) is fused when only
+such casting linears read it: see _narrowed_by_readers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, cast_to, kind, same_shape, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, autocast_readers, cast_to, kind, same_shape, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
@@ -77,7 +79,11 @@ def run(ctx: PassContext) -> None:
                 # the epilogue ran on the linear's own rows: view its result as the model did
                 new.meta["example_value"] = node.meta.get("example_value")
                 new = graph.call_method(view.target, (new, *view.args[1:]), dict(view.kwargs))
-        new.meta["example_value"] = last.meta.get("example_value")
+        recorded = tensor_meta(last)
+        if recorded is not None and recorded.dtype != tensor_meta(node).dtype:  # see _narrowed_by_readers
+            _narrow_views(last, tensor_meta(node).dtype)
+            recorded = recorded.to(tensor_meta(node).dtype)
+        new.meta["example_value"] = recorded if recorded is not None else last.meta.get("example_value")
         last.replace_all_uses_with(new)
         ctx.matched(PATTERN)
 
@@ -117,7 +123,8 @@ def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
     region, exit_node = _pointwise_region(linear)
     if exit_node is None:
         return "none", linear
-    if tensor_meta(exit_node) is None or tensor_meta(exit_node).dtype != tensor_meta(linear).dtype:
+    out = tensor_meta(exit_node)
+    if out is None or (out.dtype != tensor_meta(linear).dtype and not _narrowed_by_readers(exit_node, linear)):
         return "none", linear
     try:
         probed = _evaluate(region, linear, exit_node, _PROBE)
@@ -128,6 +135,22 @@ def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
         if probed.shape == expected.shape and torch.allclose(probed, expected, rtol=1e-5, atol=1e-6):
             return name, exit_node
     return "none", linear
+
+
+def _narrowed_by_readers(exit_node: fx.Node, linear: fx.Node) -> bool:
+    """Whether the activation's fp32 value is only read by linears that cast it back to the GEMM's
+    half dtype. CUDA autocast runs `pow` in fp32, so Hugging Face's NewGELUActivation on a bf16
+    GEMM result ends in fp32; GPT-2's next projection casts it to bf16 again. The epilogue then
+    writes bf16: the same fp32 activation rounded once, as eager's reader rounds it."""
+    readers = autocast_readers(exit_node)
+    return readers is not None and readers[0] == tensor_meta(linear).dtype
+
+
+def _narrow_views(exit_node: fx.Node, dtype: torch.dtype) -> None:
+    """Record `dtype` on the views between the activation and its readers (see _narrowed_by_readers),
+    which now view the epilogue's narrower output: later passes read these dtypes."""
+    for view in autocast_readers(exit_node)[1]:
+        view.meta["example_value"] = tensor_meta(view).to(dtype)
 
 
 def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:

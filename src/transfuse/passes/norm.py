@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import POINTWISE, arg, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, autocast_readers, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 FUSED = "ResidualLayerNorm"
@@ -111,42 +111,13 @@ def _residual_add(x, norm: fx.Node, order: dict, mixed: bool = False) -> tuple |
     return a, b
 
 
-def _autocast_readers_dtype(norm: fx.Node) -> tuple[torch.dtype, list[fx.Node]] | None:
-    """(the half dtype that every reader of the norm's output casts it to before using it, the view
-    and reshape nodes on the way), or None. A reader is a linear taking the output (or a view of it)
-    as its input whose result has that narrower dtype: under autocast it casts its input first (and
-    only then could an fp32 input give a bf16 result). So the norm may write that dtype itself: the
-    same rounding, one pass, no cast in either direction."""
-    out = tensor_meta(norm)
-    if out is None or out.dtype != torch.float32 or not norm.users:
-        return None
-    dtypes, views, stack = set(), [], [norm]
-    while stack:
-        source = stack.pop()
-        for user in source.users:
-            if (kind(user) in ("view", "reshape") or _slices(user)) and user.args[0] is source and user.users:
-                # GPT-2's Conv1D reads the rows through x.view(-1, hidden), its head through
-                # hidden[:, -k:, :] (logits_to_keep)
-                views.append(user)
-                stack.append(user)
-                continue
-            meta = tensor_meta(user)
-            if kind(user) != "linear" or user.args[0] is not source or source in user.args[1:] or meta is None:
-                return None
-            dtypes.add(meta.dtype)
-    if len(dtypes) != 1:
-        return None
-    dtype = dtypes.pop()
-    return (dtype, views) if dtype in (torch.float16, torch.bfloat16) else None
-
-
 def _output_dtype(ctx: PassContext, pattern: str, out: fx.Node, first_input: fx.Node) -> tuple[tuple, object] | None:
     """(the norm op's trailing out_dtype argument, its recorded value) for the op replacing the
     normalisation that ends at `out`; None, with the reason recorded, when out's recorded dtype is not
     the one the op returns (its first input's). In a training graph whose readers all cast the output
-    to a half dtype (_autocast_readers_dtype), that dtype: the views on the way get it recorded too."""
+    to a half dtype (graph.autocast_readers), that dtype: the views on the way get it recorded too."""
     value = out.meta.get("example_value", out.meta.get("val"))
-    readers = _autocast_readers_dtype(out) if ctx.training else None
+    readers = autocast_readers(out) if ctx.training else None
     if readers is not None:
         dtype, views = readers
         for view in views:  # what later passes read of them: the dtype they now have
@@ -160,15 +131,6 @@ def _output_dtype(ctx: PassContext, pattern: str, out: fx.Node, first_input: fx.
         ctx.reject(pattern, out, f"its output is {recorded.dtype} from a {ours.dtype} input (autocast or a promotion)")
         return None
     return (), value
-
-
-def _slices(node: fx.Node) -> bool:
-    """Whether node is `t[...]` with slices only (a view of t, no gather)."""
-    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
-        return False
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return all(isinstance(i, slice) and all(isinstance(b, (int, type(None))) for b in (i.start, i.stop, i.step))
-               or i is None or i is Ellipsis for i in index)
 
 
 def residual_before(x: fx.Node, out: fx.Node, order: dict, mixed: bool = False) -> tuple | None:
