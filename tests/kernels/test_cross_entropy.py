@@ -420,25 +420,57 @@ def test_kernel_copies_the_logits_out_in_the_same_pass(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["scalar", "per-row", "no-grad-padded", "no-grad-logits"])
-def test_grad_add(case, dtype):
-    from transfuse.kernels.cross_entropy import cross_entropy_grad_add
+def test_kernel_stores_the_rows_log_sum_exp(dtype):
+    """lse_out gets logsumexp over the real columns of every valid row (padding excluded), 0 on ignored
+    rows; loss and copy are those of the run without it."""
+    rows, vocab, padded = 19, 150, 192
+    logits = (torch.randn(rows, padded) * 3).to(dtype)
+    target = torch.randint(0, vocab, (rows,))
+    target[::4] = -1
+    config = CrossEntropyConfig(BLOCK_V=64, ROWS_PER_PROGRAM=4, num_warps=4)
+    lse = torch.full((rows,), 7.0)
+    copy = torch.empty(rows, vocab, dtype=dtype)
+    loss = cross_entropy_fwd_inplace_grad(logits.clone(), target, vocab, -1, 0.1, None, copy_to=copy, lse_out=lse,
+                                          config=config)
+    plain = cross_entropy_fwd_inplace_grad(logits.clone(), target, vocab, -1, 0.1, None, config=config)
+    expected = torch.logsumexp(logits[:, :vocab].double(), dim=1).float()
+    valid = target != -1
+    torch.testing.assert_close(lse[valid], expected[valid], rtol=1e-6, atol=1e-5)
+    assert torch.equal(lse[~valid], torch.zeros(int((~valid).sum())))
+    assert torch.equal(loss, plain) and torch.equal(copy, logits[:, :vocab])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["scalar", "per-row", "no-loss-grad", "no-grad-logits", "smoothing"])
+def test_logits_grad(case, dtype):
+    """The logits-returning head's backward pass: scale * d loss / d logits recomputed from the logits
+    and lse, plus the logits' own gradient, zero-padded to Vp; fp32 arithmetic, one rounding."""
+    from transfuse.kernels.cross_entropy import cross_entropy_logits_grad
 
     rows, vocab, padded = 21, 97, 128
-    grad_padded = torch.randn(rows, padded).to(dtype)
-    grad_padded[:, vocab:] = 0
+    logits = (torch.randn(rows, 2 * vocab) * 3).to(dtype)[:, ::2].contiguous()
+    target = torch.randint(0, vocab, (rows,))
+    target[::5] = -100
+    eps = 0.1 if case == "smoothing" else 0.0
+    lse = torch.logsumexp(logits.double(), dim=1).float()
     grad_logits = torch.randn(rows, 2 * vocab).to(dtype)[:, ::2]  # a row stride that is not V
     scale = torch.rand(rows) + 0.5 if case == "per-row" else torch.tensor(1.5)
-    use_padded, use_logits = case != "no-grad-padded", case != "no-grad-logits"
-    out = cross_entropy_grad_add(grad_padded if use_padded else None, scale, grad_logits if use_logits else None,
-                                 rows, padded, dtype, grad_padded.device)
-    expected = torch.zeros(rows, padded)
-    if use_padded:
-        expected += grad_padded.float() * (scale[:, None] if scale.dim() else scale)
+    use_loss, use_logits = case != "no-loss-grad", case != "no-grad-logits"
+    out = cross_entropy_logits_grad(logits, lse, target, -100, eps, scale if use_loss else None,
+                                    grad_logits if use_logits else None, padded)
+    expected = torch.zeros(rows, padded, dtype=torch.float64)
+    if use_loss:
+        soft = torch.exp(logits.double() - lse.double()[:, None])
+        valid = target != -100
+        onehot = F.one_hot(target.clamp(min=0), vocab).double()
+        grad = (soft - (1 - eps) * onehot - eps / vocab) * (scale[:, None] if scale.dim() else scale).double()
+        expected[:, :vocab] += torch.where(valid[:, None], grad, 0.0)
     if use_logits:
-        expected[:, :vocab] += grad_logits.float()
+        expected[:, :vocab] += grad_logits.double()
     assert out.dtype == dtype and out.shape == (rows, padded)
-    assert torch.equal(out, expected.to(dtype))  # fp32 arithmetic, one rounding (to nearest even)
+    assert torch.equal(out[:, vocab:], torch.zeros(rows, padded - vocab, dtype=dtype))
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu

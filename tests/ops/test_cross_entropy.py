@@ -107,33 +107,44 @@ def test_no_bias_leading_dims_and_only_the_logits_differentiated():
     assert torch.allclose(w.grad, x.sum(0).expand(97, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_no_extra_pass_when_the_logits_get_no_gradient(monkeypatch):
-    """The usual step, loss.backward() alone: the logits' gradient is None, not a tensor of zeros, so
-    the backward's GEMMs read the saved gradient directly (no elementwise pass over it)."""
+def test_one_pass_over_the_logits_in_the_backward(monkeypatch):
+    """The forward keeps no gradient buffer: the backward forms d loss / d logits in one elementwise
+    pass from the returned logits and lse, with the logits' own gradient (None or not) in that pass."""
     calls = []
-    real = kernels.cross_entropy_grad_add
-    monkeypatch.setattr(kernels, "cross_entropy_grad_add", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.cross_entropy_logits_grad
+    monkeypatch.setattr(kernels, "cross_entropy_logits_grad", lambda *a, **k: calls.append(a[6] is not None) or real(*a, **k))
     x, weight, bias, target = _inputs(97, torch.float32)
     w = weight.clone().requires_grad_(True)
     _, loss = linear_logits_cross_entropy(x, w, bias, target, -100, 0.0, "mean", 64)
     (loss * 3.0).backward()
-    assert calls == []
+    assert calls == [False]
     w_ref = weight.clone().requires_grad_(True)
     _, ref = _reference(x, w_ref, bias, target, -100, 0.0, "mean")
     (ref * 3.0).backward()
     assert torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
     logits, loss = linear_logits_cross_entropy(x, w, bias, target, -100, 0.0, "mean", 64)
     (loss + logits.sum()).backward()
-    assert calls == [1]  # with a logits gradient: one pass adds it
+    assert calls == [False, True]  # the logits' gradient is added in the same pass
+
+
+def test_logits_modified_in_place_before_backward_is_an_error():
+    """The backward reads the returned logits: changing them first must fail, not give wrong gradients."""
+    x, weight, bias, target = _inputs(97, torch.float32)
+    w = weight.clone().requires_grad_(True)
+    logits, loss = linear_logits_cross_entropy(x, w, bias, target, -100, 0.0, "mean", 64)
+    with torch.no_grad():
+        logits.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_no_gradient_in_no_grad_mode():
     x, weight, bias, target = _inputs(97, torch.float32)
     with torch.no_grad():
-        logits, loss, grad_padded = ops.linear_logits_cross_entropy(x, weight.requires_grad_(True), bias, target,
-                                                                    -100, 0.0, "mean", 64, False)
+        logits, loss, lse = ops.linear_logits_cross_entropy(x, weight.requires_grad_(True), bias, target,
+                                                            -100, 0.0, "mean", 64, False)
     ref_logits, ref = _reference(x, weight.detach(), bias, target, -100, 0.0, "mean")
-    assert grad_padded.shape == (0,) and torch.allclose(loss, ref) and torch.equal(logits, ref_logits)
+    assert lse.shape == (0,) and torch.allclose(loss, ref) and torch.equal(logits, ref_logits)
 
 
 def test_all_rows_ignored():
@@ -148,17 +159,19 @@ def test_all_rows_ignored():
 def _opcheck_cases():
     x, weight, bias, target = _inputs(37, torch.float32, rows=13)
     xh = x.bfloat16()
-    grad_padded = torch.randn(13, 64)
+    logits = torch.randn(13, 37)
+    lse = torch.logsumexp(logits, dim=1)
     return [
         ("linear_logits_cross_entropy", (x, weight, bias, target, -100, 0.1, "mean", 64, True)),
         ("linear_logits_cross_entropy", (xh, weight, None, target, -100, 0.0, "none", 0, True)),
         ("linear_logits_cross_entropy", (x, weight, bias, target, -100, 0.0, "sum", 16, False)),
         ("linear_logits_cross_entropy_backward",
-         (torch.rand(()), None, grad_padded, x, weight, bias, True, True, True)),
+         (torch.rand(()), None, logits, lse, x, weight, bias, target, -100, 0.1, "mean", 64, True, True, True)),
         ("linear_logits_cross_entropy_backward",
-         (torch.rand(13), torch.randn(13, 37), grad_padded, x, weight, None, True, False, False)),
+         (torch.rand(13), torch.randn(13, 37), logits, lse, x, weight, None, target, -100, 0.0, "none", 0,
+          True, False, False)),
         ("linear_logits_cross_entropy_backward",
-         (None, torch.randn(13, 37), grad_padded, x, weight, bias, False, True, True)),
+         (None, torch.randn(13, 37), logits, lse, x, weight, bias, target, -100, 0.0, "sum", 16, False, True, True)),
     ]
 
 
@@ -177,6 +190,6 @@ def test_fake_shapes():
     x, weight, bias, target = _inputs(97, torch.bfloat16, param_dtype=torch.float32)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fx, fw, fb, ft = (mode.from_tensor(t) for t in (x, weight, bias, target))
-        logits, loss, grad_padded = ops.linear_logits_cross_entropy(fx, fw, fb, ft, -100, 0.0, "none", 64, True)
+        logits, loss, lse = ops.linear_logits_cross_entropy(fx, fw, fb, ft, -100, 0.0, "none", 64, True)
     assert (logits.shape, logits.dtype, loss.shape, loss.dtype) == ((ROWS, 97), torch.bfloat16, (ROWS,), torch.float32)
-    assert grad_padded.shape == (ROWS, 128) and grad_padded.dtype == torch.bfloat16
+    assert lse.shape == (ROWS,) and lse.dtype == torch.float32

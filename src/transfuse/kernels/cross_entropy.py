@@ -36,8 +36,11 @@ grad_weight are zero and are cut off; the caller's weight is never modified and 
 shape (V, H).
 
 A model that returns its logits (linear_logits_cross_entropy_fwd/_bwd, at the end of this file)
-cannot chunk them: one padded GEMM, then one kernel pass that also copies the real columns out
-(COPY_LOGITS) and leaves the scaled gradient in the padded buffer for the backward's GEMMs.
+cannot chunk them: one padded GEMM, then one kernel pass that copies the real columns out
+(COPY_LOGITS) and keeps each row's log-sum-exp; the padded buffer is freed. The backward's one
+elementwise pass recomputes the gradient from the returned logits and adds the logits' own gradient
+(AOTAutograd hands a tensor of zeros there even when nothing differentiated them), into the padded
+buffer the backward's GEMMs read.
 
 Compute dtype: x's. weight and bias may be x's dtype or fp32; an fp32 parameter with a half-precision
 x is cast to x's dtype for the matmuls, which is what torch.autocast does to F.linear's arguments
@@ -95,12 +98,14 @@ def _cross_entropy_fwd_kernel(
     loss_ptr,
     grad_scale_ptr, stride_grad_scale_row,
     copy_ptr, stride_copy_row,
+    lse_ptr,
     n_rows, n_cols, n_cols_padded, ignore_index, label_smoothing,
     BLOCK_V: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     STORE_GRAD: tl.constexpr,
     COPY_LOGITS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
 ):
     # n_cols is the true vocab V, n_cols_padded >= V the buffer's width: the columns in between
@@ -144,6 +149,8 @@ def _cross_entropy_fwd_kernel(
         if HAS_SMOOTHING:
             z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
     lse = m_i + tl.log(tl.where(valid, l_i, 1.0))
+    if STORE_LSE:  # for a backward that recomputes the gradient (_cross_entropy_logits_grad_kernel)
+        tl.store(lse_ptr + rows, lse, mask=row_mask)
 
     # A target outside [0, V) is an error torch reports with a device-side assert; here it asserts
     # under TRITON_DEBUG / the interpreter and otherwise turns the row's loss into NaN (never a read
@@ -182,51 +189,64 @@ def _cross_entropy_fwd_kernel(
             tl.store(row_ptrs[:, None] + offs[None, :], grad.to(logits_ptr.dtype.element_ty), mask=store_mask)
 
 
-def grad_add_config(n_rows: int, n_cols_padded: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_V, num_warps) of _cross_entropy_grad_add_kernel: an elementwise pass, 2048
+def logits_grad_config(n_rows: int, n_cols_padded: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_V, num_warps) of _cross_entropy_logits_grad_kernel: an elementwise pass, 2048
     values a program over 4 warps (16 a thread: two 16-byte bf16 vectors per operand)."""
     if INTERPRET:
         return min(next_power_of_2(max(n_rows, 1)), 16), min(max(next_power_of_2(n_cols_padded), 16), 1024), 4
     return 1, min(max(next_power_of_2(n_cols_padded), 16), 2048), 4
 
 
-@triton.jit(do_not_specialize=["n_rows", "stride_grad_scale_row"])
-def _cross_entropy_grad_add_kernel(
-    grad_padded_ptr, stride_grad_padded_row,
+@triton.jit(do_not_specialize=["n_rows", "ignore_index", "stride_grad_scale_row"])
+def _cross_entropy_logits_grad_kernel(
+    logits_ptr, stride_logits_row,
+    lse_ptr,
+    target_ptr,
     grad_scale_ptr, stride_grad_scale_row,
     grad_logits_ptr, stride_grad_logits_row,
     out_ptr, stride_out_row,
-    n_rows, n_cols, n_cols_padded,
+    n_rows, n_cols, n_cols_padded, ignore_index, label_smoothing,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_GRAD_PADDED: tl.constexpr,
+    HAS_LOSS_GRAD: tl.constexpr,
     HAS_GRAD_LOGITS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
 ):
-    # The backward of the LM head + loss when the returned logits got a gradient of their own:
-    #     out[r, j] = grad_scale[r] * grad_padded[r, j] + (grad_logits[r, j] if j < V else 0)
-    # for j < Vp, in fp32 then rounded once; grad_padded is the loss's d loss / d logits (zero in
-    # the padded columns), grad_logits the (rows, V) gradient the logits output received.
+    # The backward of the LM head + loss whose logits were returned too, for j < Vp:
+    #     out[r, j] = grad_scale[r] * d loss_r / d z_rj  +  (grad_logits[r, j] if j < V else 0)
+    #     d loss_r / d z_j = softmax_j - (1 - eps) [j == t] - eps / V   (0 on ignored rows, padding)
+    # with softmax_j = exp(z_j - lse_r) from the forward's saved logits and lse: one read of the
+    # logits here instead of a second forward pass that wrote the gradient for a later pass to add
+    # the logits' own gradient to. fp32 arithmetic, one rounding.
     pid_m = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
     offs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = row_mask[:, None] & (offs < n_cols_padded)[None, :]
+    real = row_mask[:, None] & (offs < n_cols)[None, :]
     out = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-    if HAS_GRAD_PADDED:
-        grad = tl.load(grad_padded_ptr + rows[:, None] * stride_grad_padded_row + offs[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-        scale = tl.load(grad_scale_ptr + rows * stride_grad_scale_row, mask=row_mask, other=0.0).to(tl.float32)
-        out += grad * scale[:, None]
+    if HAS_LOSS_GRAD:
+        target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+        valid = row_mask & (target != ignore_index)
+        mask = valid[:, None] & (offs < n_cols)[None, :]
+        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+        scale = tl.load(grad_scale_ptr + rows * stride_grad_scale_row, mask=valid, other=0.0).to(tl.float32)
+        z = tl.load(logits_ptr + rows[:, None] * stride_logits_row + offs[None, :], mask=mask,
+                    other=float("-inf")).to(tl.float32)
+        grad = tl.exp(z - lse[:, None]) - tl.where(offs[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
+        if HAS_SMOOTHING:
+            grad = grad - label_smoothing / n_cols
+        out += tl.where(mask, grad * scale[:, None], 0.0)
     if HAS_GRAD_LOGITS:
-        real = row_mask[:, None] & (offs < n_cols)[None, :]
         out += tl.load(grad_logits_ptr + rows[:, None] * stride_grad_logits_row + offs[None, :], mask=real,
                        other=0.0).to(tl.float32)
     if BF16_RNE_BY_HAND:
         out = _round_to(out, out_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
-    tl.store(out_ptr + rows[:, None] * stride_out_row + offs[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    store_mask = row_mask[:, None] & (offs < n_cols_padded)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out_row + offs[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=store_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +286,7 @@ def cross_entropy_fwd_inplace_grad(
     grad_scale: Optional[torch.Tensor],
     *,
     copy_to: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
     config: Optional[CrossEntropyConfig] = None,
 ) -> torch.Tensor:
     """Per-row cross-entropy of logits: (rows, Vp), columns [0, n_cols) real, [n_cols, Vp) padding;
@@ -276,7 +297,9 @@ def cross_entropy_fwd_inplace_grad(
     in their own dtype, padding columns and ignored rows included (zeros there).
 
     copy_to: (rows, n_cols) in the logits' dtype with a unit column stride, or None: receives the
-    real columns of the logits (before they are overwritten), in the same pass that reads them."""
+    real columns of the logits (before they are overwritten), in the same pass that reads them.
+    lse_out: (rows,) fp32 or None: receives each row's log-sum-exp over the real columns (0 on
+    ignored rows), what cross_entropy_logits_grad needs to recompute the gradient."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("transfuse cross_entropy: logits must be 2-D with a unit column stride")
     if logits.dtype not in _SUPPORTED_DTYPES:
@@ -293,6 +316,9 @@ def cross_entropy_fwd_inplace_grad(
                                 or copy_to.stride(-1) != 1 or copy_to.device != logits.device):
         raise ValueError(f"transfuse cross_entropy: copy_to must be ({n_rows}, {n_cols}) {logits.dtype} with a unit "
                          f"column stride on the logits' device")
+    if lse_out is not None and (lse_out.shape != (n_rows,) or lse_out.dtype != torch.float32
+                                or not lse_out.is_contiguous() or lse_out.device != logits.device):
+        raise ValueError(f"transfuse cross_entropy: lse_out must be contiguous ({n_rows},) float32 on the logits' device")
     loss = torch.empty((n_rows,), dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return loss
@@ -314,12 +340,14 @@ def cross_entropy_fwd_inplace_grad(
             loss,
             grad_scale, stride_grad_scale_row,
             logits if copy_to is None else copy_to, 0 if copy_to is None else copy_to.stride(0),
+            loss if lse_out is None else lse_out,
             n_rows, n_cols, n_cols_padded, ignore_index, float(label_smoothing),
             BLOCK_V=config.BLOCK_V,
             ROWS_PER_PROGRAM=config.ROWS_PER_PROGRAM,
             HAS_SMOOTHING=label_smoothing != 0.0,
             STORE_GRAD=store_grad,
             COPY_LOGITS=copy_to is not None,
+            STORE_LSE=lse_out is not None,
             BF16_RNE_BY_HAND=INTERPRET and logits.dtype == torch.bfloat16,
             num_warps=config.num_warps,
         )
@@ -585,45 +613,51 @@ def linear_cross_entropy_bwd(
 # The LM head + loss of a model that also returns its logits (nanoGPT: `return logits, loss`).
 
 
-def cross_entropy_grad_add(
-    grad_padded: Optional[torch.Tensor],
+def cross_entropy_logits_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
     grad_scale: Optional[torch.Tensor],
     grad_logits: Optional[torch.Tensor],
-    n_rows: int,
     n_cols_padded: int,
-    dtype: torch.dtype,
-    device: torch.device,
 ) -> torch.Tensor:
-    """out: (rows, Vp) in dtype = grad_scale[row] * grad_padded + grad_logits zero-padded to Vp
-    columns. grad_padded: (rows, Vp) or None (term left out; grad_scale, fp32 0-dim or (rows,), is
-    then unused); grad_logits: (rows, V) with V <= Vp, or None."""
-    out = torch.empty((n_rows, n_cols_padded), dtype=dtype, device=device)
-    n_cols = n_cols_padded if grad_logits is None else grad_logits.shape[1]
-    if grad_logits is not None and grad_logits.stride(-1) != 1:
-        grad_logits = grad_logits.contiguous()
-    if grad_padded is not None and grad_padded.stride(-1) != 1:
-        grad_padded = grad_padded.contiguous()
-    if grad_padded is not None:
-        grad_scale = grad_scale.float().contiguous()
-        stride_grad_scale_row = 0 if grad_scale.dim() == 0 else 1
-    else:
-        grad_scale, stride_grad_scale_row = out, 0  # never read (HAS_GRAD_PADDED=False)
+    """out: (rows, Vp) in the logits' dtype = grad_scale[row] * d loss_row / d logits, recomputed from
+    the logits (rows, V) and the forward's lse (rows,) fp32, plus grad_logits (rows, V); zero in the
+    columns [V, Vp) that the backward's padded GEMMs read. grad_scale: fp32, 0-dim or (rows,); None
+    leaves the loss's term out (the loss got no gradient). grad_logits None: the logits got none."""
+    n_rows, n_cols = logits.shape
+    dtype = logits.dtype
+    out = torch.empty((n_rows, n_cols_padded), dtype=dtype, device=logits.device)
     if n_rows == 0 or n_cols_padded == 0:
         return out
     _check_runnable(out)
-    block_m, block_v, num_warps = grad_add_config(n_rows, n_cols_padded)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if grad_logits is not None and grad_logits.stride(-1) != 1:
+        grad_logits = grad_logits.contiguous()
+    if grad_scale is not None:
+        grad_scale = grad_scale.float().contiguous()
+        stride_grad_scale_row = 0 if grad_scale.dim() == 0 else 1
+    else:
+        stride_grad_scale_row = 0
+    block_m, block_v, num_warps = logits_grad_config(n_rows, n_cols_padded)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols_padded, block_v))
     with _device_guard(out):
-        _cross_entropy_grad_add_kernel[grid](
-            out if grad_padded is None else grad_padded, 0 if grad_padded is None else grad_padded.stride(0),
-            grad_scale, stride_grad_scale_row,
+        _cross_entropy_logits_grad_kernel[grid](
+            logits, logits.stride(0),
+            lse,
+            target.contiguous(),
+            out if grad_scale is None else grad_scale, stride_grad_scale_row,  # never read without a scale
             out if grad_logits is None else grad_logits, 0 if grad_logits is None else grad_logits.stride(0),
             out, out.stride(0),
-            n_rows, n_cols, n_cols_padded,
+            n_rows, n_cols, n_cols_padded, ignore_index, float(label_smoothing),
             BLOCK_M=block_m,
             BLOCK_V=block_v,
-            HAS_GRAD_PADDED=grad_padded is not None,
+            HAS_LOSS_GRAD=grad_scale is not None,
             HAS_GRAD_LOGITS=grad_logits is not None,
+            HAS_SMOOTHING=label_smoothing != 0.0,
             BF16_RNE_BY_HAND=INTERPRET and dtype == torch.bfloat16,
             num_warps=num_warps,
         )
@@ -643,18 +677,18 @@ def linear_logits_cross_entropy_fwd(
     *,
     config: Optional[CrossEntropyConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, loss, grad_padded) for the LM head F.linear(x, weight, bias) and its loss, when the
-    logits are returned too. x: (rows, H) in the compute dtype; weight, bias as for
-    linear_cross_entropy_fwd. Per call, for rows x V logits (Vp = V padded to pad_vocab_to):
+    """(logits, loss, lse) for the LM head F.linear(x, weight, bias) and its loss, when the logits are
+    returned too. x: (rows, H) in the compute dtype; weight, bias as for linear_cross_entropy_fwd.
+    Per call, for rows x V logits (Vp = V padded to pad_vocab_to):
 
-      1. one GEMM into a fresh (rows, Vp) buffer (padded: cuBLAS's fast tiles);
+      1. one GEMM into a (rows, Vp) buffer (padded: cuBLAS's fast tiles);
       2. one kernel pass over it that writes the contiguous (rows, V) logits (the copy the user gets),
-         the per-row loss, and, when needs_grad, overwrites the buffer with d loss / d logits for a
-         grad_output of 1 (already divided by the valid rows for 'mean'; per row, unscaled, for
-         'none'; zero in the padded columns and on ignored rows).
+         the per-row loss and, when needs_grad, the per-row log-sum-exp. The padded buffer is then
+         freed: the backward recomputes the gradient from the returned logits and lse
+         (linear_logits_cross_entropy_bwd), adding the logits' own gradient in the same pass.
 
     logits: (rows, V) x.dtype, contiguous; loss fp32, 0-dim ('mean', 'sum') or (rows,) ('none');
-    grad_padded: the (rows, Vp) buffer in x.dtype, or an empty (0,) tensor without needs_grad."""
+    lse: (rows,) fp32, or an empty (0,) tensor without needs_grad."""
     check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
                                     pad_vocab_to, 0)
     n_rows, n_vocab = x.shape[0], weight.shape[0]
@@ -662,43 +696,49 @@ def linear_logits_cross_entropy_fwd(
     weight_c, bias_c = _compute_params(weight, bias, x.dtype, n_cols_padded)
     logits_padded = torch.mm(x, weight_c.t()) if bias_c is None else torch.addmm(bias_c, x, weight_c.t())
     logits = torch.empty((n_rows, n_vocab), dtype=x.dtype, device=x.device)
+    lse = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if needs_grad else None
     n_valid = count_valid(target, ignore_index)
-    grad_scale = forward_grad_scale(reduction, n_valid) if needs_grad else None
     loss_rows = cross_entropy_fwd_inplace_grad(logits_padded, target, n_vocab, ignore_index, label_smoothing,
-                                               grad_scale, copy_to=logits, config=config)
-    grad_padded = logits_padded if needs_grad else x.new_empty((0,))
-    return logits, reduce_loss_rows(loss_rows, reduction, n_valid), grad_padded
+                                               None, copy_to=logits, lse_out=lse, config=config)
+    return logits, reduce_loss_rows(loss_rows, reduction, n_valid), lse if needs_grad else x.new_empty((0,))
 
 
-def _scaled(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """t * scale (0-dim fp32) in fp32, rounded once to dtype; t.to(dtype) without a scale."""
-    if scale is None:
-        return t.to(dtype)
-    return (t.float() * scale).to(dtype)
+def logits_grad_scale(grad_loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """The fp32 factor of each row's d loss_row / d logits for the loss's grad_output: divided by the
+    valid rows for 'mean' (none valid: every row's gradient is zero anyway), per row for 'none'."""
+    scale = grad_loss.float()
+    if reduction == "mean":
+        scale = scale / count_valid(target, ignore_index).clamp(min=1.0)
+    return scale
 
 
 def linear_logits_cross_entropy_bwd(
     grad_loss: Optional[torch.Tensor],
     grad_logits: Optional[torch.Tensor],
-    grad_padded: torch.Tensor,
+    logits: torch.Tensor,
+    lse: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight, grad_bias) of linear_logits_cross_entropy_fwd's outputs, for grad_loss
     (0-dim, or (rows,) for 'none'; None: the loss got no gradient) and grad_logits ((rows, V); None:
-    the logits got none), from the saved grad_padded (rows, Vp). An empty (0,) tensor for each
-    gradient not asked for.
+    the logits got none), from the returned logits (rows, V) and the saved lse. An empty (0,) tensor
+    for each gradient not asked for.
 
-    The usual case, a scalar grad_loss g and no grad_logits: the GEMMs read grad_padded as it is,
-    and g multiplies their small results, grad_x = g * (grad_padded @ W_p) and
-    grad_weight = g * (grad_padded^T @ x)[:V], not the (rows, Vp) buffer. Otherwise one elementwise
-    pass forms g * grad_padded + grad_logits (padded) first and the GEMMs read that."""
-    n_rows, dtype = x.shape[0], x.dtype
-    n_vocab, n_cols_padded = weight.shape[0], grad_padded.shape[-1]
+    One elementwise pass (cross_entropy_logits_grad) forms the (rows, Vp) gradient w.r.t. the padded
+    logits, the loss's term and the logits' own together, then the GEMMs read it:
+    grad_x = total @ W_p, grad_weight = (total^T @ x)[:V], grad_bias = total.sum(0)[:V]."""
+    n_vocab = weight.shape[0]
+    n_cols_padded = padded_vocab(n_vocab, pad_vocab_to)
     needs_grad_bias = needs_grad_bias and bias is not None
 
     def empty():
@@ -708,22 +748,17 @@ def linear_logits_cross_entropy_bwd(
         return (x.new_zeros(x.shape) if needs_grad_x else empty(),
                 weight.new_zeros(weight.shape) if needs_grad_weight else empty(),
                 bias.new_zeros(bias.shape) if needs_grad_bias else empty())
-    scale = None if grad_loss is None else grad_loss.float()
-    if grad_logits is None and scale.dim() == 0:
-        total = grad_padded
-    else:
-        # the logits' own gradient, or a per-row grad_loss ('none'): one pass over the buffer
-        total = cross_entropy_grad_add(None if scale is None else grad_padded, scale, grad_logits, n_rows,
-                                       n_cols_padded, dtype, x.device)
-        scale = None
+    scale = None if grad_loss is None else logits_grad_scale(grad_loss, target, ignore_index, reduction)
+    total = cross_entropy_logits_grad(logits, lse, target, ignore_index, label_smoothing, scale, grad_logits,
+                                      n_cols_padded)
     grad_x = grad_weight = grad_bias = None
     if needs_grad_x:
-        weight_c, _ = _compute_params(weight, None, dtype, n_cols_padded)
-        grad_x = _scaled(torch.mm(total, weight_c), scale, dtype)
+        weight_c, _ = _compute_params(weight, None, x.dtype, n_cols_padded)
+        grad_x = torch.mm(total, weight_c).to(x.dtype)
     if needs_grad_weight:
         # rows [V, Vp) of the product are the padded columns' zero gradient: dropped
-        grad_weight = _scaled(torch.mm(total.t(), x)[:n_vocab], scale, weight.dtype)
+        grad_weight = torch.mm(total.t(), x)[:n_vocab].to(weight.dtype)
     if needs_grad_bias:
-        grad_bias = _scaled(total.sum(0, dtype=torch.float32)[:n_vocab], scale, bias.dtype)
+        grad_bias = total.sum(0, dtype=torch.float32)[:n_vocab].to(bias.dtype)
     return (grad_x if needs_grad_x else empty(), grad_weight if needs_grad_weight else empty(),
             grad_bias if needs_grad_bias else empty())

@@ -319,11 +319,10 @@ def linear_logits_cross_entropy_op(
     pad_vocab_to: int,
     needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, loss, grad_padded): logits = F.linear(x, weight, bias) as (rows, V) contiguous in x's
-    dtype, loss = F.cross_entropy(logits.float(), target, ...) in fp32, and grad_padded (rows, Vp)
-    the loss's gradient w.r.t. the padded logits for a grad_output of 1 (an empty (0,) tensor without
-    needs_grad), computed in the pass that copies the logits out. grad_padded is for the backward,
-    not differentiable. See kernels.cross_entropy.linear_logits_cross_entropy_fwd."""
+    """(logits, loss, lse): logits = F.linear(x, weight, bias) as (rows, V) contiguous in x's dtype,
+    loss = F.cross_entropy(logits.float(), target, ...) in fp32, and lse (rows,) fp32 the rows'
+    log-sum-exp for the backward (an empty (0,) tensor without needs_grad), not differentiable.
+    See kernels.cross_entropy.linear_logits_cross_entropy_fwd."""
     return kernels.linear_logits_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction,
                                                    pad_vocab_to, needs_grad)
 
@@ -332,51 +331,61 @@ def linear_logits_cross_entropy_op(
 def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad):
     kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
                                             pad_vocab_to, 0)
-    vocab = weight.shape[0]
-    grad_padded = (x.new_empty((x.shape[0], kernels.padded_vocab(vocab, pad_vocab_to))) if needs_grad
-                   else x.new_empty((0,)))
-    return x.new_empty((x.shape[0], vocab)), _fake_loss(x, reduction), grad_padded
+    lse = x.new_empty((x.shape[0],), dtype=torch.float32) if needs_grad else x.new_empty((0,))
+    return x.new_empty((x.shape[0], weight.shape[0])), _fake_loss(x, reduction), lse
 
 
 @torch.library.custom_op("transfuse::linear_logits_cross_entropy_backward", mutates_args=())
 def linear_logits_cross_entropy_backward(
     grad_loss: Optional[torch.Tensor],
     grad_logits: Optional[torch.Tensor],
-    grad_padded: torch.Tensor,
+    logits: torch.Tensor,
+    lse: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    pad_vocab_to: int,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight, grad_bias) of linear_logits_cross_entropy for the gradients its loss and
-    logits received (None: none), from its saved grad_padded; an empty (0,) tensor for each gradient
-    not asked for."""
-    return kernels.linear_logits_cross_entropy_bwd(grad_loss, grad_logits, grad_padded, x, weight, bias,
+    logits received (None: none), from its returned logits and saved lse; an empty (0,) tensor for
+    each gradient not asked for."""
+    return kernels.linear_logits_cross_entropy_bwd(grad_loss, grad_logits, logits, lse, x, weight, bias, target,
+                                                   ignore_index, label_smoothing, reduction, pad_vocab_to,
                                                    needs_grad_x, needs_grad_weight, needs_grad_bias)
 
 
 @linear_logits_cross_entropy_backward.register_fake
-def _(grad_loss, grad_logits, grad_padded, x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias):
+def _(grad_loss, grad_logits, logits, lse, x, weight, bias, target, ignore_index, label_smoothing, reduction,
+      pad_vocab_to, needs_grad_x, needs_grad_weight, needs_grad_bias):
     return _fake_grads(x, weight, bias, needs_grad_x, needs_grad_weight, needs_grad_bias)
 
 
 def _setup_context_logits(ctx, inputs, output):
-    x, weight, bias, *_ = inputs
-    _, _, grad_padded = output
-    ctx.save_for_backward(x, weight, bias, grad_padded)
+    x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad = inputs
+    logits, _, lse = output
+    # The returned logits, not the padded buffer they were copied from: that buffer is freed after the
+    # forward, and the user holds the logits anyway. Modifying them in place before backward() is then
+    # autograd's usual error, never a silently wrong gradient.
+    ctx.save_for_backward(x, weight, bias, target, logits, lse)
+    ctx.settings = (ignore_index, label_smoothing, reduction, pad_vocab_to)
     ctx.has_bias = bias is not None
-    ctx.computed = inputs[8]  # needs_grad
-    ctx.mark_non_differentiable(grad_padded)
+    ctx.computed = needs_grad
+    ctx.mark_non_differentiable(lse)
     # A logits output that nothing differentiates (the usual case: the loss alone is backpropagated)
-    # arrives as None, not as a (rows, V) tensor of zeros to be added. (AOTAutograd's compiled
+    # arrives as None, not as a (rows, V) tensor of zeros to be read. (AOTAutograd's compiled
     # backward still receives zeros there: its autograd.Function materialises every tangent.)
     ctx.set_materialize_grads(False)
 
 
-def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_grad_padded):
-    x, weight, bias, grad_padded = ctx.saved_tensors
+def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_lse):
+    x, weight, bias, target, logits, lse = ctx.saved_tensors
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     needs_bias = needs_bias and ctx.has_bias
     nones = (None,) * 6
@@ -386,7 +395,7 @@ def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_grad_padded):
         raise RuntimeError("transfuse linear_logits_cross_entropy: the loss needs a gradient but the forward ran "
                            "with needs_grad=False")
     grad_x, grad_weight, grad_bias = torch.ops.transfuse.linear_logits_cross_entropy_backward(
-        grad_loss, grad_logits, grad_padded, x, weight, bias, needs_x, needs_weight, needs_bias)
+        grad_loss, grad_logits, logits, lse, x, weight, bias, target, *ctx.settings, needs_x, needs_weight, needs_bias)
     return (grad_x if needs_x else None, grad_weight if needs_weight else None, grad_bias if needs_bias else None,
             *nones)
 
