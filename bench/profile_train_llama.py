@@ -2,9 +2,11 @@
 TinyLlama-1.1B's width (2048 hidden, 32 heads, 4 KV heads, 5632 MLP), batch 4 x 1024, bf16 autocast,
 fused AdamW, random weights. Dev tool:
 
-    PYTHONPATH=src python3 bench/profile_train_llama.py
+    PYTHONPATH=src python3 bench/profile_train_llama.py [transfuse|compile|eager] [rows]
 
 build() and make_step() are shared with bench/train_llama_vs_compile.py (a sibling script)."""
+import sys
+
 import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
@@ -40,9 +42,11 @@ def make_step(model: torch.nn.Module, run, ids: torch.Tensor):
 
 
 def main() -> None:
+    provider = sys.argv[1] if len(sys.argv) > 1 else "transfuse"
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 12
     model, ids = build()
-    transfuse.optimize(model)
-    step = make_step(model, model, ids)
+    run = torch.compile(model) if provider == "compile" else transfuse.optimize(model) if provider == "transfuse" else model
+    step = make_step(model, run, ids)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -50,7 +54,7 @@ def main() -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(f"kernel time per step {sum(e.self_device_time_total for e in prof.key_averages()) / 3e3:.2f} ms")
+    print(f"{provider}: kernel time per step {sum(e.self_device_time_total for e in prof.key_averages()) / 3e3:.2f} ms")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
@@ -58,7 +62,7 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     print(f"wall per step {start.elapsed_time(end) / 5:.2f} ms")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":

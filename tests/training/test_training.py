@@ -74,8 +74,10 @@ def _step(model, ids, targets):
     ("nanogpt", {"ManualAttention": 2, "CausalMaskBuffer": 2, "CrossEntropy": 1, "VocabPadding": 1,
                  "ResidualLayerNorm": 4, "LinearEpilogue": 2}),
     # Hugging Face's loss pads the labels (F.pad) before the head: VocabPadding needs that moved up
-    ("gpt2", {"ManualAttention": 2, "CrossEntropy": 1, "VocabPadding": 1, "ResidualLayerNorm": 4, "LinearEpilogue": 2}),
-    ("llama", {"TorchSDPA": 2, "GroupedKV": 2, "CrossEntropy": 1, "VocabPadding": 1, "ResidualRMSNorm": 4, "RotaryEmbedding": 4,
+    # CausalMaskFromShapes: Hugging Face's mask, built from the length alone without an attention_mask
+    ("gpt2", {"ManualAttention": 2, "CausalMaskFromShapes": 2, "CrossEntropy": 1, "VocabPadding": 1,
+              "ResidualLayerNorm": 4, "LinearEpilogue": 2}),
+    ("llama", {"TorchSDPA": 2, "CausalMaskFromShapes": 2, "GroupedKV": 2, "CrossEntropy": 1, "VocabPadding": 1, "ResidualRMSNorm": 4, "RotaryEmbedding": 4,
                "RotaryPair": 2, "LinearEpilogue": 2}),
 ])
 def test_training_step_equals_eager(family, expected):

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from transfuse.ops.attention import mask_summary_for
+from transfuse.passes import causal_mask
 
 from transfuse.passes.graph import (
     arg,
@@ -72,62 +73,25 @@ def run(ctx: PassContext) -> None:
         except Reject as reason:
             ctx.reject(pattern, node, str(reason))
             continue
+        if spec.get("dropout_p", 0.0) and not ctx.training:
+            ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
+            continue
+        if causal_mask.causal_buffer(ctx, spec):
+            spec.update(is_causal=True, bool_masks=[])
+            ctx.matched("CausalMaskBuffer")
+        elif causal_mask.causal_from_shapes(ctx, spec):
+            spec.update(is_causal=True, bool_masks=[], masks=[])
+            ctx.matched("CausalMaskFromShapes")
         if spec.get("dropout_p", 0.0):
-            if not ctx.training:
-                ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
-                continue
             _replace_with_sdpa(ctx, spec)
             ctx.matched(DROPOUT_SDPA)
             continue
-        if _causal_buffer(ctx, spec):
-            spec.update(is_causal=True, bool_masks=[])
-            ctx.matched("CausalMaskBuffer")
         matches.append((pattern, spec))
     readers = collections.Counter(_mask_key(spec) for _, spec in matches)
     summaries: dict[tuple, fx.Node] = {}
     for pattern, spec in matches:
         _replace(ctx, spec, summaries, summarise=_worth_a_summary(spec, readers[_mask_key(spec)]))
         ctx.matched(pattern)
-
-
-def _causal_buffer(ctx: PassContext, spec: dict) -> bool:
-    """nanoGPT's mask: `scores.masked_fill(self.bias[:, :, :T, :T] == 0, -inf)` over a registered
-    buffer that holds tril(ones) (or `torch.where(bias[..] != 0 / .bool(), scores, -inf)`). The top-left
-    T x T corner of a lower-triangular buffer is causal for every T, so the kernel gets is_causal and
-    skips the blocks above the diagonal instead of reading a T x T mask. Only for a training graph
-    (the inference path summarises the mask once per forward); the buffer is read at compile time and
-    is assumed not to change afterwards, as a causal-mask buffer does not."""
-    if not ctx.training or len(spec["bool_masks"]) != 1:
-        return False
-    how, cond = spec["bool_masks"][0]
-    if not isinstance(cond, fx.Node):
-        return False
-    want_zero = how == "fill"  # masked where the buffer is 0, or kept where it is nonzero
-    comparison = kind(cond)
-    if comparison in ("eq", "ne") and len(cond.args) == 2 and scalar(cond.args[1]) == 0.0:
-        if (comparison == "eq") != want_zero:
-            return False
-        sliced = cond.args[0]
-    else:
-        return False
-    if not (isinstance(sliced, fx.Node) and sliced.op == "call_function" and sliced.target is operator.getitem):
-        return False
-    buffer, index = sliced.args
-    value = ctx.placeholder_value(buffer) if isinstance(buffer, fx.Node) else None
-    if value is None or value.dim() < 2 or value.shape[-1] != value.shape[-2] or not isinstance(index, tuple):
-        return False
-    *lead, rows, cols = index
-    if len(index) != value.dim() or any(i != slice(None) for i in lead):
-        return False
-    if not all(isinstance(i, slice) and i.start in (None, 0) and i.step is None for i in (rows, cols)) \
-            or rows.stop is not cols.stop and str(rows.stop) != str(cols.stop):
-        return False
-    q_len, k_len = tensor_meta(spec["q"]).shape[-2], tensor_meta(spec["v"]).shape[-2]
-    if str(q_len) != str(k_len):
-        return False
-    n = value.shape[-1]
-    tril = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
-    return bool(((value != 0) == tril).all())
 
 
 def _replace_with_sdpa(ctx: PassContext, spec: dict) -> None:

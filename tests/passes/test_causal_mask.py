@@ -1,0 +1,108 @@
+"""CausalMaskFromShapes: a mask computed from the sequence length alone is proven causal at compile
+time (run at lengths beyond its integer constants) and becomes is_causal in a training graph; masks
+that are not exactly causal, or that read a tensor input, are left as they are."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transfuse
+
+DIM, HEADS = 16, 2
+
+
+def causal(q_idx, k_idx):
+    return k_idx <= q_idx
+
+
+def sliding_window(q_idx, k_idx):  # Mistral's: causal and at most 4 keys back
+    return (k_idx <= q_idx) & (q_idx - k_idx < 4)
+
+
+def long_window(q_idx, k_idx):  # causal at every length the test runs (11), not beyond 100
+    return (k_idx <= q_idx) & (q_idx - k_idx < 100)
+
+
+def everything(q_idx, k_idx):
+    return k_idx >= 0
+
+
+class Attention(torch.nn.Module):
+    """One attention layer whose mask is built from aranges of the sequence length, as Hugging Face's
+    create_causal_mask builds one under tracing."""
+
+    def __init__(self, rule, additive=False, manual=False):
+        super().__init__()
+        self.rule, self.additive, self.manual = rule, additive, manual
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x, padding=None):
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(seq, device=x.device)
+        mask = self.rule(positions[:, None], positions[None, :])[None, None].expand(batch, 1, seq, seq)
+        if padding is not None:
+            mask = mask & padding[:, None, None, :].bool()
+        if self.additive:
+            mask = torch.where(mask, 0.0, torch.finfo(x.dtype).min)
+        if self.manual:
+            scores = q @ k.transpose(-2, -1) / (DIM // HEADS) ** 0.5 + mask
+            y = torch.softmax(scores, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, DIM))
+
+
+def _train_step(model, x, padding=None):
+    model(x, padding).square().sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _rewrites(model):
+    counts = Counter()
+    for record in model._transfuse_state.backend.records:
+        counts.update(record.rewrites)
+    return counts
+
+
+def _check(rule, expect_causal, padding=False, **kwargs):
+    torch.manual_seed(0)
+    model = Attention(rule, **kwargs).train()
+    reference = Attention(rule, **kwargs).train()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 11, DIM)
+    pad = torch.ones(2, 11)
+    pad[1, -3:] = 0
+    pad = pad if padding else None
+    expected = _train_step(reference, x, pad)
+    transfuse.optimize(model)
+    got = _train_step(model, x, pad)
+    assert (_rewrites(model)["CausalMaskFromShapes"] == 1) == expect_causal, _rewrites(model)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+def test_causal_mask_from_shapes_becomes_is_causal(additive):
+    _check(causal, True, additive=additive)
+
+
+def test_hand_written_attention_with_an_additive_causal_mask():
+    _check(causal, True, additive=True, manual=True)
+
+
+@pytest.mark.parametrize("rule", [sliding_window, long_window], ids=["window-4", "window-100"])
+def test_sliding_window_is_not_causal(rule):
+    """Causal at every length up to its window: only a probe longer than the window tells them apart."""
+    _check(rule, False)
+
+
+def test_unmasked_is_not_causal():
+    _check(everything, False)
+
+
+def test_a_mask_that_reads_the_padding_input_is_left_alone():
+    _check(causal, False, padding=True)
