@@ -42,8 +42,10 @@ def test_rotary_broadcast_cos_over_batch_cpu():
 
 def test_rotary_rejects_bad_input():
     x, cos, sin = _inputs(1, 2, 3, 16, torch.float32, "cpu", False)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="float32"):
         rotary_fwd(x, cos.double(), sin)
+    with pytest.raises(TypeError, match="float32"):
+        rotary_fwd(x.bfloat16(), cos.half(), sin.half())
     with pytest.raises(ValueError, match="does not broadcast"):
         rotary_fwd(x, cos[..., :8], sin)
 
@@ -111,3 +113,30 @@ def test_rotary_gradients_equal_the_reference():
     for a, b in zip(single, single_ref):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.transfuse.rotary_pair.default, (x, k, cos, sin))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["promoted", "narrowed"])
+def test_rotary_of_half_x_by_fp32_tables(out_dtype, device):
+    """Autocast's case: bf16 x, fp32 cos/sin. Eager promotes to fp32; the kernel's fp32 arithmetic
+    gives that (rounded once to out_dtype), and its gradient comes back in x's dtype."""
+    x, cos, sin = _inputs(2, 3, 5, 16, torch.bfloat16, device, True)
+    cos, sin = cos.float(), sin.float()
+    eager = _eager(x, cos, sin)
+    assert eager.dtype == torch.float32
+    out = rotary_fwd(x, cos, sin, out_dtype)
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(out, eager.to(out_dtype), rtol=1e-6 if out_dtype == torch.float32 else 8e-3, atol=1e-6)
+    x = x.detach().requires_grad_()
+    dy = torch.randn(x.shape, device=device).to(out_dtype)
+    (grad,) = torch.autograd.grad((torch.ops.transfuse.rotary(x, cos, sin, out_dtype).float() * dy.float()).sum(), x)
+    (eager_grad,) = torch.autograd.grad((_eager(x, cos, sin) * dy.float()).sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    (exact,) = torch.autograd.grad((_eager(x64, cos.double(), sin.double()) * dy.double()).sum(), x64)
+    assert grad.dtype == eager_grad.dtype == torch.bfloat16
+    # ours rounds the exact gradient once (within one bf16 ulp of it, elementwise: the interpreter's
+    # bf16 stores truncate); eager rounds each term to bf16 before summing them, and is no closer
+    assert ((grad.double() - exact).abs() <= exact.abs() * 2 ** -7).all()
+    err_ours, err_eager = ((g.double() - exact).abs().max().item() for g in (grad, eager_grad))
+    assert err_ours <= 2 * err_eager, (err_ours, err_eager)
+    torch.library.opcheck(torch.ops.transfuse.rotary.default, (x, cos, sin, out_dtype))

@@ -18,21 +18,22 @@ COMMON = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LLAMA_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=48, max_position_embeddings=64, **COMMON)
 
-# family -> (config class, model class, config, golden rewrites of the prompt's trace)
+# family -> (config class, model class, config, golden rewrites of the prompt's trace). EmptyCat: the
+# DynamicCache's first append of each layer's keys and values (torch.cat with an empty tensor)
 FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, **COMMON),
-             {"Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5,
+             {"EmptyCat": 4, "Conv1D": 8, "TorchSDPA": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "EvalDropout": 5,
               "LayerNormLinear": 4}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_LIKE,
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
+              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4),
-                {"TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
+                {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE,  # bias on Q, K, V
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
+              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
-              {"TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
+              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
-             {"TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 2}),
+             {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 2}),
 }
 # family -> the cache and rotary matches of a decode step's trace (generate() on the default static
 # cache). Mistral's sliding-window layers get a full-length static layer (runtime/generation.py), so

@@ -12,6 +12,8 @@ from tests.helpers import rel_err
 
 COMMON = dict(vocab_size=97, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 ATTENTION = {"TorchSDPA": 6, "SiblingLinears": 5, "LinearEpilogue": 22}  # 2 encoder, 2 decoder self, 2 cross
+# the decoder's cache (self and cross, keys and values, 2 layers): each starts with a torch.cat onto an empty tensor
+ATTENTION["EmptyCat"] = 8
 
 # family -> (config class, model class, config, golden rewrites of the first trace)
 FAMILIES = {

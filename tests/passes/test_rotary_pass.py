@@ -1,5 +1,6 @@
 """The rotary pass matches rotate-half RoPE by meaning, partial rotary included, and gives eager's
-logits; a cos/sin in another dtype than x (eager promotes) is left alone with the reason."""
+logits; bf16 x with fp32 tables (autocast) gives eager's fp32 result; other mixes of dtypes are
+left alone with the reason."""
 
 import torch
 import transformers
@@ -29,12 +30,47 @@ class _Rope(torch.nn.Module):
         return x * cos + rotate_half(x) * sin
 
 
-def test_rotary_with_promoting_dtypes_is_left_alone():
+def test_rotary_promoted_by_fp32_tables_is_fused_in_fp32():
+    """bf16 x, fp32 cos/sin (Hugging Face's tables under autocast): eager's result is fp32, and so is ours."""
     torch.manual_seed(0)
     x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
     cos, sin = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
     model = _Rope().eval()
     ref = model(x, cos, sin)
     transfuse.optimize(model, dynamic=False)  # a static head dim, as a model's weights make it
+    out = model(x, cos, sin)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert model._transfuse_state.backend.records[0].rewrites["RotaryEmbedding"] == 1
+
+
+class _RopeCastBack(torch.nn.Module):
+    def forward(self, x, cos, sin):
+        return (x * cos + rotate_half(x) * sin).to(x.dtype) * 2.0
+
+
+def test_promoted_rotary_read_only_by_a_cast_back_writes_x_dtype():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
+    model = _RopeCastBack().eval()
+    ref = model(x, cos, sin)
+    transfuse.optimize(model, dynamic=False)
+    out = model(x, cos, sin)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-5)
+    graph = model._transfuse_state.backend.graphs[0].graph
+    rotary = [n for n in graph.nodes if n.target is torch.ops.transfuse.rotary.default]
+    assert len(rotary) == 1 and rotary[0].args[3] == torch.bfloat16
+    assert not [n for n in graph.nodes if n.op == "call_method" and n.target == "to"]  # the cast is gone
+
+
+def test_rotary_with_other_dtype_mixes_is_left_alone():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 1, 5, 16).half(), torch.randn(1, 1, 5, 16).half()
+    model = _Rope().eval()
+    ref = model(x, cos, sin)
+    transfuse.optimize(model, dynamic=False)
     assert torch.equal(model(x, cos, sin), ref)
-    assert "RotaryEmbedding" in transfuse.report(model) and "eager promotes" in transfuse.report(model)
+    assert "RotaryEmbedding" in transfuse.report(model) and "dtypes differ" in transfuse.report(model)

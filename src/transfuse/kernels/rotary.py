@@ -3,9 +3,11 @@
     out = x * cos + rotate_half(x) * sin,    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 
 x: (B, H, S, D) with any strides (the Q or K slice of a merged QKV output, transposed); cos, sin
-broadcastable to x (Hugging Face's (B, 1, S, D)), same dtype as x. Arithmetic in fp32, one rounding
-at the end (eager rounds after each of its three ops: the difference is at most an ulp or two, and
-the fused result is the closer one to fp32). Output: a new contiguous tensor of x's shape and dtype.
+broadcastable to x (Hugging Face's (B, 1, S, D)), x's dtype or fp32 (under autocast Hugging Face's
+tables stay fp32 while x is bf16). Arithmetic in fp32, one rounding at the end (eager rounds after
+each of its three ops: the difference is at most an ulp or two, and the fused result is the closer
+one to fp32). Output: a new contiguous tensor of x's shape, in x's dtype or out_dtype (eager's
+promotion gives fp32 for fp32 tables, which the caller may narrow when only casts read it).
 Reference: transfuse.reference.rotary.rotary_ref.
 """
 
@@ -114,8 +116,9 @@ def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
         raise ValueError(f"rotary expects x of shape (batch, heads, seq, head_dim), got {tuple(x.shape)}")
     if x.shape[-1] % 2:
         raise ValueError(f"rotary needs an even head dim, got {x.shape[-1]}")
-    if x.dtype not in _DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise TypeError(f"rotary supports {_DTYPES} with one dtype for x, cos, sin; got {x.dtype}, {cos.dtype}, {sin.dtype}")
+    if x.dtype not in _DTYPES or cos.dtype not in (x.dtype, torch.float32) or sin.dtype != cos.dtype:
+        raise TypeError(f"rotary supports x in {_DTYPES} with cos and sin both in x's dtype or float32; got "
+                        f"{x.dtype}, {cos.dtype}, {sin.dtype}")
     for name, t in (("cos", cos), ("sin", sin)):
         try:
             fits = t.dim() <= 4 and torch.broadcast_shapes(t.shape, x.shape) == x.shape
@@ -139,10 +142,17 @@ def _blocks(D: int) -> tuple[int, int]:
     return block_d, max(1, min(64, _ELEMENTS_PER_PROGRAM // block_d))
 
 
-def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise TypeError(f"rotary: out_dtype must be one of {_DTYPES}, got {out_dtype}")
+    return x.dtype if out_dtype is None else out_dtype
+
+
+def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     check_rotary_args(x, cos, sin)
     B, H, S, D = x.shape
-    out = torch.empty((B, H, S, D), dtype=x.dtype, device=x.device)
+    out = torch.empty((B, H, S, D), dtype=_out_dtype(x, out_dtype), device=x.device)
     n_rows = B * H * S
     if n_rows == 0:
         return out
@@ -168,13 +178,15 @@ def check_rotary_pair_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
                          "batch, seq, head dim and dtype (heads may differ)")
 
 
-def rotary_pair_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rotary_pair_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    out_dtype: torch.dtype | None = None):
     """rotary_fwd(q, cos, sin), rotary_fwd(k, cos, sin) in one launch (decode runs many tiny ones)."""
     check_rotary_pair_args(q, k, cos, sin)
     B, HQ, S, D = q.shape
     HK = k.shape[1]
-    q_out = torch.empty((B, HQ, S, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((B, HK, S, D), dtype=k.dtype, device=k.device)
+    dtype = _out_dtype(q, out_dtype)
+    q_out = torch.empty((B, HQ, S, D), dtype=dtype, device=q.device)
+    k_out = torch.empty((B, HK, S, D), dtype=dtype, device=k.device)
     q_rows, k_rows = B * HQ * S, B * HK * S
     if q_rows == 0:
         return q_out, k_out
@@ -186,7 +198,7 @@ def rotary_pair_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     sin_k, sk = _broadcast_strides(sin, k.shape)
     if cos_q.data_ptr() != cos_k.data_ptr() or sin_q.data_ptr() != sin_k.data_ptr():
         # A broadcast needed a copy (cos with a non-unit last stride): two launches, same result.
-        return rotary_fwd(q, cos, sin), rotary_fwd(k, cos, sin)
+        return rotary_fwd(q, cos, sin, out_dtype), rotary_fwd(k, cos, sin, out_dtype)
     block_d, block_r = _blocks(D)
     q_blocks = triton.cdiv(q_rows, block_r)
     grid = (q_blocks + triton.cdiv(k_rows, block_r),)

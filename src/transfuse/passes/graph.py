@@ -151,9 +151,15 @@ def tensor_meta(node: Any) -> torch.Tensor | None:
 
 def cast_to(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     """`node.to(dtype)` at the graph's insertion point, with its recorded value; node itself when it
-    already has that dtype. What the passes insert where torch.autocast casts an op's operands."""
+    already has that dtype, or node's source when node only widened it exactly from that dtype
+    (x.to(fp32).to(bf16) is x). What the passes insert where torch.autocast casts an op's operands."""
     if tensor_meta(node).dtype == dtype:
         return node
+    source = node.args[0] if kind(node) == "to" and node.args and isinstance(node.args[0], fx.Node) else None
+    if source is not None and tensor_meta(source) is not None and tensor_meta(source).dtype == dtype \
+            and dtype in (torch.float16, torch.bfloat16) and tensor_meta(node).dtype == torch.float32 \
+            and tensor_meta(source).device == tensor_meta(node).device:
+        return source
     cast = graph.call_method("to", (node, dtype))
     cast.meta["example_value"] = tensor_meta(node).to(dtype)
     return cast

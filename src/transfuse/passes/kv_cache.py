@@ -128,7 +128,8 @@ def _fuse_rotary(ctx: PassContext) -> None:
         if not (k_rot.op == "call_function" and k_rot.target is operator.getitem and k_rot.args[1] == 1):
             continue
         pair = k_rot.args[0]
-        if pair.op != "call_function" or pair.target is not torch.ops.transfuse.rotary_pair.default:
+        if pair.op != "call_function" or pair.target is not torch.ops.transfuse.rotary_pair.default \
+                or len(pair.args) != 4:  # an out_dtype: the cache write rotates in the cache's dtype
             continue
         q_rots = [u for u in pair.users if u is not k_rot]
         if len(k_rot.users) != 1 or any(u.target is not operator.getitem or u.args[1] != 0 for u in q_rots):

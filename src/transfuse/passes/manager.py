@@ -67,13 +67,14 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, inplace, kv_cache,
+    from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, empty_cat, inplace, kv_cache,
                                   linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary, rotary_table,
                                   written_layer_norm)
 
     return [
         Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place", trains=True),
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)", trains=True),
+        Pass("empty_cat", empty_cat.run, "torch.cat of one tensor and empty 1-D ones (DynamicCache's first append) -> a cast", trains=True),
         Pass("clamp", clamp.run, "T5's fp16 guard, clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention", trains=True),
         Pass("rotary_table", rotary_table.run, "HF's cos/sin table (inv_freq @ positions, cat, cos, sin, scale, cast) -> transfuse.rotary_table"),

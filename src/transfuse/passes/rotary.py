@@ -7,8 +7,10 @@ rotated slice is what is matched):
 
 either operand order of the add and of each multiply. Six to eight kernels per tensor (two slices,
 a negation, a concatenation, two multiplies, an add) become one read of x, cos and sin and one write
-(transfuse.ops.rotary). Left alone, with the reason, when dtypes differ (eager's promotion would
-decide the result's dtype) or cos/sin do not broadcast to x. The interleaved (GPT-J) form is not
+(transfuse.ops.rotary). Under autocast x is bf16 (or fp16) and Hugging Face's tables fp32: eager's
+result is fp32, which the op writes too, or writes in x's dtype when only casts back to it read the
+result (_casts_back). Left alone, with the reason, for other mixes of dtypes or cos/sin that do not
+broadcast to x. The interleaved (GPT-J) form is not
 matched.
 """
 
@@ -106,19 +108,40 @@ def run(ctx: PassContext) -> None:
         if tx.dim() != 4:
             ctx.reject(PATTERN, node, f"x has {tx.dim()} dimensions (the kernel takes batch, heads, seq, head_dim)")
             continue
-        if not (tx.dtype == tc.dtype == ts.dtype == out.dtype):
-            ctx.reject(PATTERN, node, f"dtypes differ (x {tx.dtype}, cos {tc.dtype}, sin {ts.dtype}): eager promotes")
+        promoted = tc.dtype == ts.dtype == out.dtype == torch.float32 and tx.dtype in (torch.float16, torch.bfloat16)
+        if not (tx.dtype == tc.dtype == ts.dtype == out.dtype or promoted):
+            ctx.reject(PATTERN, node, f"dtypes differ (x {tx.dtype}, cos {tc.dtype}, sin {ts.dtype}, out {out.dtype})")
             continue
         if tc.dim() > 4 or ts.dim() > 4 or not same_shape(tuple(out.shape), tuple(tx.shape)):
             ctx.reject(PATTERN, node, "cos/sin do not broadcast to x's shape")
             continue
+        casts = _casts_back(node, tx.dtype) if promoted else []
+        args = (x, cos, sin) if not promoted else (x, cos, sin, tx.dtype if casts else torch.float32)
         with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.transfuse.rotary.default, (x, cos, sin))
+            fused = graph.call_function(torch.ops.transfuse.rotary.default, args)
         fused.meta.update(node.meta)
-        node.replace_all_uses_with(fused)
+        if casts:  # written in x's dtype: the casts that read it are the op itself now
+            fused.meta["example_value"] = out.to(tx.dtype)
+            for cast in casts:
+                cast.replace_all_uses_with(fused)
+                graph.erase_node(cast)
+        else:
+            node.replace_all_uses_with(fused)
         graph.erase_node(node)
         ctx.matched(PATTERN)
     _pair_up(ctx)
+
+
+def _casts_back(node: fx.Node, dtype: torch.dtype) -> list[fx.Node]:
+    """The readers of node when every one is `.to(dtype)`, else []. Under autocast Hugging Face's
+    rotation of a bf16 x by fp32 tables is fp32, and SDPA reads it cast back to bf16 (the attention
+    pass writes autocast's casts as `.to`): the kernel then writes bf16 itself, the same fp32
+    arithmetic rounded once, with no fp32 tensor between."""
+    users = list(node.users)
+    ok = users and all(kind(u) == "to" and u.args[0] is node and tensor_meta(u) is not None
+                       and tensor_meta(u).dtype == dtype and tensor_meta(u).device == tensor_meta(node).device
+                       for u in users)
+    return users if ok else []
 
 
 def _pair_up(ctx: PassContext) -> None:
@@ -130,7 +153,7 @@ def _pair_up(ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.transfuse.rotary.default:
             continue
-        key = (node.args[1], node.args[2])
+        key = (node.args[1], node.args[2], node.args[3] if len(node.args) > 3 else None)
         first = waiting.pop(key, None)
         if first is None:
             waiting[key] = node
@@ -150,7 +173,8 @@ def _pair_up(ctx: PassContext) -> None:
             waiting[key] = node
             continue
         with graph.inserting_before(at):
-            pair = graph.call_function(torch.ops.transfuse.rotary_pair.default, (first.args[0], node.args[0], *key))
+            pair = graph.call_function(torch.ops.transfuse.rotary_pair.default,
+                                       (first.args[0], node.args[0], *(key if key[2] is not None else key[:2])))
             outs = [graph.call_function(operator.getitem, (pair, i)) for i in (0, 1)]
         for old, new in zip((first, node), outs):
             new.meta.update(old.meta)
