@@ -26,14 +26,16 @@ def build() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(0, 32000, (4, 1024), device="cuda")
 
 
-def make_step(model: torch.nn.Module, run, ids: torch.Tensor):
-    """One optimizer step of `run` (the model, or what a compiler made of it) on ids; returns the loss."""
+def make_step(model: torch.nn.Module, run, ids: torch.Tensor, with_mask: bool = False):
+    """One optimizer step of `run` (the model, or what a compiler made of it) on ids (and an
+    attention_mask of ones, as a data collator passes, when with_mask); returns the loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    extra = {"attention_mask": torch.ones_like(ids)} if with_mask else {}
 
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(input_ids=ids, labels=ids).loss
+            loss = run(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         opt.step()
         return loss

@@ -2,7 +2,9 @@
 AdamW: torch.compile (default, sdpa) vs transfuse vs eager, one process, CUDA events, median of 10 after 3
 warm-up steps. The model and step are bench/profile_train_llama.py's.
 
-    PYTHONPATH=src python3 bench/train_llama_vs_compile.py eager,transfuse,compile"""
+    PYTHONPATH=src python3 bench/train_llama_vs_compile.py eager,transfuse,compile [mask]
+
+With `mask`, each step also passes an attention_mask of ones, as a data collator does."""
 import copy
 import statistics
 import sys
@@ -18,7 +20,7 @@ def main() -> None:
     for name in sys.argv[1].split(","):
         model = copy.deepcopy(base)
         run = torch.compile(model) if name == "compile" else transfuse.optimize(model) if name == "transfuse" else model
-        step = make_step(model, run, ids)
+        step = make_step(model, run, ids, with_mask=len(sys.argv) > 2 and sys.argv[2] == "mask")
         for _ in range(3):
             loss = step()
         times = []

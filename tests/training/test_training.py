@@ -102,6 +102,29 @@ def test_training_step_equals_eager(family, expected):
     assert re.search(r"^ +LinearEpilogue +x2$", report, re.MULTILINE), report  # a rewrite, not a rejection
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_attention_mask_with_padding_becomes_a_key_mask(family):
+    """A data collator's attention_mask (right padding here): Hugging Face builds the causal mask
+    and the padded keys into one T x T mask; the attention gets is_causal and a key mask instead,
+    and the step equals eager's."""
+    model = {"gpt2": _hf_gpt2, "llama": _llama}[family]()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert _rewrites(model)["CausalKeyPadding"] == 2, _rewrites(model)
+
+
 def test_adamw_steps_follow_eager_and_eval_sees_the_trained_weights():
     model = _nanogpt()
     reference = copy.deepcopy(model)

@@ -82,6 +82,13 @@ def run(ctx: PassContext) -> None:
         elif causal_mask.causal_from_shapes(ctx, spec):
             spec.update(is_causal=True, bool_masks=[], masks=[])
             ctx.matched("CausalMaskFromShapes")
+        elif (padding := causal_mask.causal_key_padding(ctx, spec)) is not None:
+            key_mask = _key_mask(ctx.gm.graph, *padding, spec)
+            if key_mask is None:
+                ctx.reject(pattern, node, "causal with key padding, but the batch or key length is held by no graph input")
+            else:
+                spec.update(is_causal=True, bool_masks=[], masks=[key_mask])
+                ctx.matched("CausalKeyPadding")
         if spec.get("dropout_p", 0.0):
             _replace_with_sdpa(ctx, spec)
             ctx.matched(DROPOUT_SDPA)
@@ -92,6 +99,19 @@ def run(ctx: PassContext) -> None:
     for pattern, spec in matches:
         _replace(ctx, spec, summaries, summarise=_worth_a_summary(spec, readers[_mask_key(spec)]))
         ctx.matched(pattern)
+
+
+def _key_mask(graph: fx.Graph, padding: fx.Node, exact: tuple[bool, bool], spec: dict) -> fx.Node | None:
+    """causal_mask.key_padding_mask of the attention_mask `padding` for this attention's batch and
+    keys: (batch, 1, 1, keys) bool; None when those sizes are expressions no graph input holds."""
+    batch, keys = tensor_meta(spec["q"]).shape[0], tensor_meta(spec["v"]).shape[-2]
+    batch_arg, keys_arg = size_arg(graph, batch), size_arg(graph, keys)
+    if batch_arg is None or keys_arg is None:
+        return None
+    with graph.inserting_before(spec["out"]):
+        mask = graph.call_function(causal_mask.key_padding_mask, (padding, batch_arg, keys_arg, exact))
+    mask.meta["example_value"] = tensor_meta(padding).new_empty((batch, 1, 1, keys), dtype=torch.bool)
+    return mask
 
 
 def _replace_with_sdpa(ctx: PassContext, spec: dict) -> None:

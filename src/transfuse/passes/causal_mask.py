@@ -12,8 +12,12 @@ Two sources, each proven causal before it is replaced:
   constant it contains (a sliding window of W is causal below W and not above: the probe sees
   both), for two batch sizes, and must equal the lower triangle at every one of them.
 
-Neither runs on inference graphs: there the mask gets a block summary once per forward, which skips
-the same blocks and also handles padding.
+* `CausalKeyPadding` (causal_key_padding) — the same with the model's attention_mask on the keys:
+  the causal triangle and the keys whose attention_mask is nonzero, probed with padding patterns;
+  the attention gets is_causal and a (batch, 1, 1, T) key mask.
+
+None of them runs on inference graphs: there the mask gets a block summary once per forward, which
+skips the same blocks and also handles padding.
 """
 
 from __future__ import annotations
@@ -86,28 +90,135 @@ def causal_from_shapes(ctx: PassContext, spec: dict) -> bool:
     seq = _sequence_symbol(spec)
     if seq is None:
         return False
-    region = _size_only_region(mask)
-    if region is None:
+    region = _mask_region(mask)
+    if region is None or region[2]:
         return False
-    nodes, leaves, biggest = region
-    length = 2 * biggest + 3
-    if length > MAX_PROBE_LENGTH:
+    nodes, sizes, _, biggest = region
+    try:
+        probes = _probe_sizes(biggest)
+    except _Unprovable:
         return False
-    for seq_len, other in ((1, 2), (17, 3), (max(length, 67), 2)):
-        env = {}
-        for leaf in leaves:
-            value = _size_value(leaf, seq, seq_len, other)
-            if value is None:
-                return False
-            env[leaf] = value
-        try:
-            with torch.no_grad():
-                result = evaluate(nodes, mask, env)
-        except Exception:  # an op the probe cannot run at compile time: not provably causal
-            return False
-        if not _is_causal(result, seq_len, keep_where):
+    for seq_len, other in probes:
+        result = _run(nodes, mask, _size_env(sizes, seq, seq_len, other))
+        if result is None or not _is_causal(result, seq_len, keep_where):
             return False
     return True
+
+
+def causal_key_padding(ctx: PassContext, spec: dict) -> tuple[fx.Node, tuple[bool, bool]] | None:
+    """(the model input P (batch, seq), whether each of its dims must be exactly that size) when the spec's one mask is the causal triangle and the keys k
+    with P[b, k] != 0: Hugging Face's mask when the model gets an attention_mask (a data collator
+    always passes one). The attention then gets is_causal and a (batch, 1, 1, seq) key mask instead
+    of reading a T x T one. Proven as causal_from_shapes is, for P of all ones, all zeros, right and
+    left padding and random values (2 and -3 among them: any nonzero value keeps a key)."""
+    if not ctx.training or spec.get("dropout_p", 0.0):  # SDPA takes no mask with is_causal
+        return None
+    if len(spec["masks"]) + len(spec["bool_masks"]) != 1:
+        return None
+    if spec["masks"]:
+        mask, keep_where = spec["masks"][0], None
+    else:
+        how, mask = spec["bool_masks"][0]
+        keep_where = how == "keep"
+    seq = _sequence_symbol(spec)
+    if not isinstance(mask, fx.Node) or tensor_meta(mask) is None or seq is None:
+        return None
+    region = _mask_region(mask)
+    if region is None or len(region[2]) != 1:
+        return None
+    nodes, sizes, (padding,), biggest = region
+    meta = tensor_meta(padding)
+    if meta.dim() != 2 or meta.dtype.is_complex:
+        return None
+    own = [d.node.expr if isinstance(d, torch.SymInt) else None for d in meta.shape]
+    if any(e is not None and not isinstance(e, sympy.Symbol) for e in own):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    try:
+        probes = _probe_sizes(biggest)
+    except _Unprovable:
+        return None
+    exact = [False, False]  # P's rows, P's columns
+    for seq_len, other in probes:
+        # P of the batch's and the keys' sizes, then with more rows, then more columns: where the
+        # mask also reads P[b, k] for b < batch, k < keys of a larger P, so may the key mask; where
+        # it fails or reads P otherwise (GPT-2 views it as (batch, -1)), that dim of P must be
+        # exactly the batch's or the keys' (checked at run time)
+        for dim, (rows, cols) in ((None, (other, seq_len)), (0, (other + 1, seq_len)), (1, (other, seq_len + 3))):
+            if dim is not None and exact[dim]:
+                continue
+            if any(e is None and n != d for e, n, d in zip(own, (rows, cols), meta.shape)):
+                if dim is None:
+                    return None
+                exact[dim] = True  # a static dim of P: only its own size
+                continue
+            fixed = {e: n for e, n in zip(own, (rows, cols)) if e is not None}
+            env = _size_env(sizes, seq, seq_len, other, fixed)
+            for pattern in _padding_patterns(rows, cols, generator):
+                env[padding] = pattern.to(dtype=meta.dtype, device=meta.device)
+                result = _run(nodes, mask, env)
+                keep = (pattern[:other, :seq_len] != 0)[:, None, None, :].to(meta.device)
+                if result is None or not _is_causal(result, seq_len, keep_where, keys=keep):
+                    if dim is None:
+                        return None
+                    exact[dim] = True
+                    break
+    return padding, tuple(exact)
+
+
+def key_padding_mask(padding: torch.Tensor, batch: int, keys: int, exact: tuple[bool, bool]) -> torch.Tensor:
+    """The (batch, 1, 1, keys) bool mask of the keys `padding` keeps (nonzero), as the graph computes
+    it in place of a CausalKeyPadding mask: P[:batch, :keys]. A dim of P that the model's own mask
+    read only at exactly the batch's or the keys' size (`exact`) must have it: a one-line error
+    otherwise, where eager would fail or read P differently."""
+    rows, cols = padding.shape
+    message = (lambda: f"transfuse: attention_mask of shape ({rows}, {cols}) for {batch} sequences of {keys} "
+               "tokens; pass one of the input's shape")
+    torch._check(rows == batch if exact[0] else rows >= batch, message)
+    torch._check(cols == keys if exact[1] else cols >= keys, message)
+    return (padding[:batch, :keys] != 0)[:, None, None, :]
+
+
+def _probe_sizes(biggest: int) -> list[tuple[int, int]]:
+    """(sequence length, batch) pairs to run a mask at: lengths beyond every integer constant in it."""
+    length = max(2 * biggest + 3, 67)
+    if length > MAX_PROBE_LENGTH:
+        raise _Unprovable(f"a constant of {biggest} would need a probe of length {length}")
+    return [(1, 2), (17, 3), (length, 2)]
+
+
+class _Unprovable(Exception):
+    """The mask could be causal but the probe cannot show it."""
+
+
+def _size_env(sizes: list[fx.Node], seq: sympy.Symbol, seq_len: int, other: int, fixed: dict | None = None) -> dict | None:
+    env = {}
+    for leaf in sizes:
+        value = _size_value(leaf, seq, seq_len, other, fixed or {})
+        if value is None:
+            return None
+        env[leaf] = value
+    return env
+
+
+def _run(nodes: list[fx.Node], mask: fx.Node, env: dict | None):
+    if env is None:
+        return None
+    try:
+        with torch.no_grad():
+            return evaluate(nodes, mask, env)
+    except Exception:  # an op the probe cannot run at compile time: nothing is proven
+        return None
+
+
+def _padding_patterns(batch: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    ones = torch.ones(batch, seq_len, dtype=torch.int64)
+    right, left = ones.clone(), ones.clone()
+    right[0, seq_len // 2 + 1:] = 0
+    left[-1, : seq_len // 3] = 0
+    values = torch.tensor([0, 1, 1, 2, -3])
+    random = values[torch.randint(0, len(values), (batch, seq_len), generator=generator)]
+    return [ones, torch.zeros_like(ones), right, left, random]
 
 
 def _sequence_symbol(spec: dict) -> sympy.Symbol | None:
@@ -119,12 +230,13 @@ def _sequence_symbol(spec: dict) -> sympy.Symbol | None:
     return expr if isinstance(expr, sympy.Symbol) else None
 
 
-def _size_only_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], int] | None:
-    """(the nodes computing `mask` in graph order, their size leaves, the largest integer constant
-    among their arguments) when everything the mask reads is a size (a SymInt or int node: a
-    placeholder, `x.size(1)`...) or a constant; None when it reads a tensor input or attribute."""
+def _mask_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], int] | None:
+    """(the nodes computing `mask` in graph order, their size leaves, their tensor-input leaves, the
+    largest integer constant among their arguments). A size leaf is a SymInt or int node (a
+    placeholder, `x.size(1)`...), a tensor leaf a placeholder holding a tensor (the model's inputs:
+    attention_mask). None when the mask reads anything else (an attribute, a value without a record)."""
     seen: set[fx.Node] = set()
-    nodes, leaves = [], []
+    nodes, sizes, tensors = [], [], []
     biggest = 0
     stack = [mask]
     while stack:
@@ -134,7 +246,10 @@ def _size_only_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], int]
         seen.add(node)
         value = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
-            leaves.append(node)  # a size: assigned a value by the probe, whatever computes it
+            sizes.append(node)  # assigned a value by the probe, whatever computes it
+            continue
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            tensors.append(node)
             continue
         if node.op in ("placeholder", "get_attr", "output") or not isinstance(value, torch.Tensor):
             return None
@@ -145,7 +260,7 @@ def _size_only_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], int]
             elif isinstance(a, int) and not isinstance(a, bool):
                 biggest = max(biggest, abs(a))
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
-    return sorted(nodes, key=order.__getitem__), leaves, biggest
+    return sorted(nodes, key=order.__getitem__), sizes, tensors, biggest
 
 
 def _flat(args) -> list:
@@ -162,20 +277,21 @@ def _flat(args) -> list:
     return out
 
 
-def _size_value(leaf: fx.Node, seq: sympy.Symbol, seq_len: int, other: int) -> int | None:
-    """The probe's value of a size node: its expression with the sequence symbol at seq_len and every
-    other symbol (the batch) at `other`."""
+def _size_value(leaf: fx.Node, seq: sympy.Symbol, seq_len: int, other: int, fixed: dict) -> int | None:
+    """The probe's value of a size node: its expression with the sequence symbol at seq_len, the
+    symbols in `fixed` (a mask input's own dims) at theirs, every other symbol (the batch) at `other`."""
     value = leaf.meta.get("example_value", leaf.meta.get("val"))
     if isinstance(value, int):
         return value
     expr = value.node.expr
-    result = expr.subs({s: (seq_len if s == seq else other) for s in expr.free_symbols})
+    result = expr.subs({s: (seq_len if s == seq else fixed.get(s, other)) for s in expr.free_symbols})
     return int(result) if result.is_Integer else None
 
 
-def _is_causal(mask: torch.Tensor, seq_len: int, keep_where: bool | None) -> bool:
+def _is_causal(mask: torch.Tensor, seq_len: int, keep_where: bool | None, keys: torch.Tensor | None = None) -> bool:
     """Whether `mask` (bool, or additive when keep_where is None and it is floating) keeps exactly
-    the lower triangle of every (seq_len, seq_len) slice."""
+    the lower triangle of every (seq_len, seq_len) slice (and of those keys only, when `keys`, a
+    (batch, 1, 1, seq_len) bool, is given)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (seq_len, seq_len):
         return False
     if mask.dtype == torch.bool:
@@ -188,5 +304,9 @@ def _is_causal(mask: torch.Tensor, seq_len: int, keep_where: bool | None) -> boo
         keep = mask == 0
     else:
         return False
-    tril = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
-    return bool((keep == tril).all())
+    expected = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
+    if keys is not None:
+        expected = expected & keys
+        if keep.shape[0] != keys.shape[0]:  # the mask must follow each row's padding
+            return False
+    return bool((keep == expected).all())
