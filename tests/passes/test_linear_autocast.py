@@ -11,8 +11,10 @@ from tests.helpers import optimize_and_run
 from tests.passes.test_linear_pass import MLP
 
 
-def test_autocast_linears_run_in_the_autocast_dtype():
-    model = MLP(torch.nn.functional.gelu, residual=False).eval()
+def _run_under_autocast(act):
+    """(fp32 gold, eager bf16 autocast output, ours, our transfuse.linear nodes) of a two-linear MLP
+    with activation `act`, after checking that both linears were rewritten."""
+    model = MLP(act, residual=False).eval()
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
         gold = model(x)
@@ -23,13 +25,18 @@ def test_autocast_linears_run_in_the_autocast_dtype():
     assert rewrites["LinearEpilogue"] == 2, rejections
     graph = model._transfuse_state.backend.graphs[0].graph
     linears = [n for n in graph.nodes if str(n.target).startswith("transfuse.linear")]
+    assert out.dtype == eager.dtype == torch.bfloat16
+    err_ours, err_eager = (out.float() - gold).abs().max().item(), (eager.float() - gold).abs().max().item()
+    assert err_ours <= 2 * err_eager + 1e-2 * gold.abs().max().item(), (err_ours, err_eager)
+    return linears
+
+
+def test_autocast_linears_run_in_the_autocast_dtype():
+    linears = _run_under_autocast(torch.nn.functional.gelu)
     assert [n.args[3] for n in linears] == ["gelu", "none"]
     for node in linears:
         operands = [a for a in node.args[:3] if a is not None]
         assert all(a.meta["example_value"].dtype == torch.bfloat16 for a in operands), node.format_node()
-    assert out.dtype == eager.dtype == torch.bfloat16
-    err_ours, err_eager = (out.float() - gold).abs().max().item(), (eager.float() - gold).abs().max().item()
-    assert err_ours <= 2 * err_eager + 1e-2 * gold.abs().max().item(), (err_ours, err_eager)
 
 
 def _gelu_new_as_cuda_autocast_runs_it(h):
@@ -41,24 +48,11 @@ def _gelu_new_as_cuda_autocast_runs_it(h):
 
 
 def test_fp32_activation_read_only_by_casting_linears_is_fused_and_written_narrow():
-    model = MLP(_gelu_new_as_cuda_autocast_runs_it, residual=False).eval()
-    x = torch.randn(3, 5, 24)
-    with torch.no_grad():
-        gold = model(x)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            eager = model(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, rewrites, rejections = optimize_and_run(model, x)
-    assert rewrites["LinearEpilogue"] == 2, rejections
-    graph = model._transfuse_state.backend.graphs[0].graph
-    linears = [n for n in graph.nodes if str(n.target).startswith("transfuse.linear")]
+    linears = _run_under_autocast(_gelu_new_as_cuda_autocast_runs_it)
     assert [n.args[3] for n in linears] == ["gelu_tanh", "none"]
     # the epilogue writes bf16, the second GEMM reads it without a cast in between
     assert linears[0].meta["example_value"].dtype == torch.bfloat16
     assert linears[1].args[0] is linears[0]
-    assert out.dtype == eager.dtype == torch.bfloat16
-    err_ours, err_eager = (out.float() - gold).abs().max().item(), (eager.float() - gold).abs().max().item()
-    assert err_ours <= 2 * err_eager + 1e-2 * gold.abs().max().item(), (err_ours, err_eager)
 
 
 class _ActivationAlsoReturned(torch.nn.Module):

@@ -30,15 +30,20 @@ class _Rope(torch.nn.Module):
         return x * cos + rotate_half(x) * sin
 
 
-def test_rotary_promoted_by_fp32_tables_is_fused_in_fp32():
-    """bf16 x, fp32 cos/sin (Hugging Face's tables under autocast): eager's result is fp32, and so is ours."""
+def _eager_then_optimized(model, table_dtype=torch.float32):
+    """(eager's output, ours) for bf16 x and tables of table_dtype."""
     torch.manual_seed(0)
     x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
-    cos, sin = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
-    model = _Rope().eval()
+    cos, sin = torch.randn(1, 1, 5, 16).to(table_dtype), torch.randn(1, 1, 5, 16).to(table_dtype)
     ref = model(x, cos, sin)
     transfuse.optimize(model, dynamic=False)  # a static head dim, as a model's weights make it
-    out = model(x, cos, sin)
+    return ref, model(x, cos, sin)
+
+
+def test_rotary_promoted_by_fp32_tables_is_fused_in_fp32():
+    """bf16 x, fp32 cos/sin (Hugging Face's tables under autocast): eager's result is fp32, and so is ours."""
+    model = _Rope().eval()
+    ref, out = _eager_then_optimized(model)
     assert out.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert model._transfuse_state.backend.records[0].rewrites["RotaryEmbedding"] == 1
@@ -50,13 +55,8 @@ class _RopeCastBack(torch.nn.Module):
 
 
 def test_promoted_rotary_read_only_by_a_cast_back_writes_x_dtype():
-    torch.manual_seed(0)
-    x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
-    cos, sin = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
     model = _RopeCastBack().eval()
-    ref = model(x, cos, sin)
-    transfuse.optimize(model, dynamic=False)
-    out = model(x, cos, sin)
+    ref, out = _eager_then_optimized(model)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-5)
     graph = model._transfuse_state.backend.graphs[0].graph
@@ -66,11 +66,7 @@ def test_promoted_rotary_read_only_by_a_cast_back_writes_x_dtype():
 
 
 def test_rotary_with_other_dtype_mixes_is_left_alone():
-    torch.manual_seed(0)
-    x = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
-    cos, sin = torch.randn(1, 1, 5, 16).half(), torch.randn(1, 1, 5, 16).half()
     model = _Rope().eval()
-    ref = model(x, cos, sin)
-    transfuse.optimize(model, dynamic=False)
-    assert torch.equal(model(x, cos, sin), ref)
+    ref, out = _eager_then_optimized(model, torch.float16)
+    assert torch.equal(out, ref)
     assert "RotaryEmbedding" in transfuse.report(model) and "dtypes differ" in transfuse.report(model)
