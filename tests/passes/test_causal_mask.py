@@ -71,7 +71,7 @@ def _rewrites(model):
     return counts
 
 
-def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", **kwargs):
+def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", dynamic=True, **kwargs):
     torch.manual_seed(0)
     model = Attention(rule, **kwargs).train()
     reference = Attention(rule, **kwargs).train()
@@ -81,7 +81,7 @@ def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", *
     pad[1, -3:] = 0
     pad = pad if padding else None
     expected = _train_step(reference, x, pad)
-    transfuse.optimize(model)
+    transfuse.optimize(model, dynamic=dynamic)
     got = _train_step(model, x, pad)
     assert (_rewrites(model)[pattern] == 1) == expect_causal, _rewrites(model)
     for name in expected:
@@ -91,6 +91,12 @@ def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", *
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 def test_causal_mask_from_shapes_becomes_is_causal(additive):
     _check(causal, True, additive=additive)
+
+
+@pytest.mark.parametrize("rule,causal", [(causal, True), (sliding_window, False)], ids=["causal", "window"])
+def test_static_shapes_are_probed_at_their_one_length(rule, causal):
+    _check(rule, causal, dynamic=False)
+    _check(rule, causal, padding=True, pattern="CausalKeyPadding", dynamic=False)
 
 
 def test_hand_written_attention_with_an_additive_causal_mask():

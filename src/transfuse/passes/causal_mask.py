@@ -95,7 +95,7 @@ def causal_from_shapes(ctx: PassContext, spec: dict) -> bool:
         return False
     nodes, sizes, _, biggest = region
     try:
-        probes = _probe_sizes(biggest)
+        probes = _probe_sizes(biggest, seq, spec)
     except _Unprovable:
         return False
     for seq_len, other in probes:
@@ -135,7 +135,7 @@ def causal_key_padding(ctx: PassContext, spec: dict) -> tuple[fx.Node, tuple[boo
         return None
     generator = torch.Generator().manual_seed(0)
     try:
-        probes = _probe_sizes(biggest)
+        probes = _probe_sizes(biggest, seq, spec)
     except _Unprovable:
         return None
     exact = [False, False]  # P's rows, P's columns
@@ -179,8 +179,12 @@ def key_padding_mask(padding: torch.Tensor, batch: int, keys: int, exact: tuple[
     return (padding[:batch, :keys] != 0)[:, None, None, :]
 
 
-def _probe_sizes(biggest: int) -> list[tuple[int, int]]:
-    """(sequence length, batch) pairs to run a mask at: lengths beyond every integer constant in it."""
+def _probe_sizes(biggest: int, seq: sympy.Symbol | int, spec: dict) -> list[tuple[int, int]]:
+    """(sequence length, batch) pairs to run a mask at: lengths beyond every integer constant in it;
+    a static length (and batch) alone, the only ones the graph runs at."""
+    if isinstance(seq, int):
+        batch = tensor_meta(spec["q"]).shape[0]
+        return [(seq, batch if isinstance(batch, int) else 2)]
     length = max(2 * biggest + 3, 67)
     if length > MAX_PROBE_LENGTH:
         raise _Unprovable(f"a constant of {biggest} would need a probe of length {length}")
@@ -221,11 +225,14 @@ def _padding_patterns(batch: int, seq_len: int, generator: torch.Generator) -> l
     return [ones, torch.zeros_like(ones), right, left, random]
 
 
-def _sequence_symbol(spec: dict) -> sympy.Symbol | None:
-    """The symbol of the query length when queries and keys have that same dynamic length."""
+def _sequence_symbol(spec: dict) -> sympy.Symbol | int | None:
+    """The query length when queries and keys have that same length: its symbol when dynamic, the
+    int when static (the graph is then traced again for any other length)."""
     q_len, k_len = tensor_meta(spec["q"]).shape[-2], tensor_meta(spec["v"]).shape[-2]
-    if not isinstance(q_len, torch.SymInt) or str(q_len) != str(k_len):
+    if str(q_len) != str(k_len):
         return None
+    if not isinstance(q_len, torch.SymInt):
+        return int(q_len)
     expr = q_len.node.expr
     return expr if isinstance(expr, sympy.Symbol) else None
 
