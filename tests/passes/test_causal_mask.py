@@ -49,8 +49,8 @@ class Attention(torch.nn.Module):
             mask = mask & padding[:, None, :, None].bool()
         elif padding is not None:
             mask = mask & padding[:, None, None, :].bool()
-        if self.additive:
-            mask = torch.where(mask, 0.0, torch.finfo(x.dtype).min)
+        if self.additive:  # Hugging Face's eager masks add the dtype's minimum; others -inf
+            mask = torch.where(mask, 0.0, float("-inf") if self.additive == "inf" else torch.finfo(x.dtype).min)
         if self.manual:
             scores = q @ k.transpose(-2, -1) / (DIM // HEADS) ** 0.5 + mask
             y = torch.softmax(scores, dim=-1) @ v
@@ -113,10 +113,16 @@ def test_unmasked_is_not_causal():
     _check(everything, False)
 
 
-@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+@pytest.mark.parametrize("additive", [False, "inf"], ids=["bool", "additive-inf"])
 def test_causal_mask_with_key_padding_becomes_is_causal_and_a_key_mask(additive):
     """Hugging Face's mask when the model gets an attention_mask: causal and the kept keys."""
     _check(causal, True, padding=True, pattern="CausalKeyPadding", additive=additive)
+
+
+def test_key_padding_with_a_finite_minimum_is_left_alone():
+    """A query whose keys are all padded spreads evenly over every key under a finite additive mask
+    (eager), not over none (-inf, is_causal with a key mask): such masks keep their own form."""
+    _check(causal, False, padding=True, pattern="CausalKeyPadding", additive=True)
 
 
 def test_padding_on_the_queries_is_left_alone():

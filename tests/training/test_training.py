@@ -102,16 +102,24 @@ def test_training_step_equals_eager(family, expected):
     assert re.search(r"^ +LinearEpilogue +x2$", report, re.MULTILINE), report  # a rewrite, not a rejection
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_attention_mask_with_padding_becomes_a_key_mask(family):
-    """A data collator's attention_mask (right padding here): Hugging Face builds the causal mask
-    and the padded keys into one T x T mask; the attention gets is_causal and a key mask instead,
-    and the step equals eager's."""
+@pytest.mark.parametrize("family,padding,key_masks", [
+    ("llama", "right", 2), ("llama", "left", 2),
+    # GPT-2's eager attention adds the dtype's minimum, not -inf: a query whose keys are all padded
+    # (left padding) spreads evenly over every key in eager, which is_causal with a key mask cannot
+    # do, so its mask stays as it is
+    ("gpt2", "right", 0)])
+def test_attention_mask_with_padding_becomes_a_key_mask(family, padding, key_masks):
+    """A data collator's attention_mask: Hugging Face builds the causal mask and the padded keys
+    into one T x T mask; the attention gets is_causal and a key mask instead, and the step equals
+    eager's, left padding's queries with no key at all included."""
     model = {"gpt2": _hf_gpt2, "llama": _llama}[family]()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 13))
     mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
+    if padding == "right":
+        mask[1, 9:] = 0
+    else:
+        mask[1, :4] = 0
     labels = ids.masked_fill(mask == 0, -100)
     transfuse.optimize(model)
     losses = []
@@ -122,7 +130,24 @@ def test_attention_mask_with_padding_becomes_a_key_mask(family):
     assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    assert _rewrites(model)["CausalKeyPadding"] == 2, _rewrites(model)
+    assert _rewrites(model)["CausalKeyPadding"] == key_masks, _rewrites(model)
+
+
+@pytest.mark.xfail(strict=True, reason="known: a row whose additive mask is the dtype's minimum everywhere "
+                   "(HF eager attention, left padding) loses log(keys) in the stored logsumexp, so the "
+                   "attention backward recomputes probabilities of 1, not 1 / keys; the forward is right")
+def test_gpt2_left_padding_gradients_equal_eager():
+    model = _hf_gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    transfuse.optimize(model)
+    for m in (model, reference):
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    errors = _grad_errors(model, reference)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_adamw_steps_follow_eager_and_eval_sees_the_trained_weights():

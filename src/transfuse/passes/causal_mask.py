@@ -304,8 +304,10 @@ def _is_causal(mask: torch.Tensor, seq_len: int, keep_where: bool | None, keys: 
     if mask.dtype == torch.bool:
         keep = mask if keep_where in (None, True) else ~mask
     elif mask.dtype.is_floating_point and keep_where is None:
-        # additive: 0 keeps, and a masked score must vanish in the softmax as under -inf
-        masked = mask <= torch.finfo(mask.dtype).min / 2
+        # additive: 0 keeps, and a masked score must vanish in the softmax as under -inf. With key
+        # padding a row can lose every key: eager then spreads a finite mask's row (Hugging Face's
+        # dtype minimum) evenly over all keys, where -inf and the kernels give zeros; only -inf then.
+        masked = torch.isinf(mask) if keys is not None else mask <= torch.finfo(mask.dtype).min / 2
         if not bool(((mask == 0) | masked).all()):
             return False
         keep = mask == 0
