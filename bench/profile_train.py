@@ -18,6 +18,19 @@ from torch.profiler import ProfilerActivity, profile
 from transfuse.bench import train
 
 
+def profile_steps(step, warmup: int, steps: int):
+    """(the CUDA profile of `steps` calls of step after `warmup` unprofiled ones, the GPU kernel time
+    per step in ms). Shared with bench/profile_train_llama.py."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof, sum(e.self_device_time_total for e in prof.key_averages()) / (steps * 1e3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="nanogpt", choices=list(train.ARCHS))
@@ -42,15 +55,8 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    print(f"{args.provider}: GPU kernels over 2 steps ({total_us / 2e3:.2f} ms of kernel time per step)")
+    prof, per_step_ms = profile_steps(step, warmup=3, steps=2)
+    print(f"{args.provider}: GPU kernels over 2 steps ({per_step_ms:.2f} ms of kernel time per step)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     if args.provider.startswith("transfuse"):
         # The attention kernels' autotuned choices in this run (key -> config), beside their GPU time above.

@@ -9,9 +9,9 @@ import sys
 
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
 
 import transfuse
+from profile_train import profile_steps  # a sibling script (bench/ is on sys.path)
 
 
 def build() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -49,14 +49,8 @@ def main() -> None:
     model, ids = build()
     run = torch.compile(model) if provider == "compile" else transfuse.optimize(model) if provider == "transfuse" else model
     step = make_step(model, run, ids)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    print(f"{provider}: kernel time per step {sum(e.self_device_time_total for e in prof.key_averages()) / 3e3:.2f} ms")
+    prof, per_step_ms = profile_steps(step, warmup=3, steps=3)
+    print(f"{provider}: kernel time per step {per_step_ms:.2f} ms")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):

@@ -1,7 +1,7 @@
 """Attention masks that are exactly causal, recognised in a training graph so that the attention
 kernels get `is_causal` and skip the blocks above the diagonal instead of reading a T x T mask.
 
-Two sources, each proven causal before it is replaced:
+Three forms, each proven before it is replaced:
 
 * `CausalMaskBuffer` (causal_buffer) — nanoGPT's registered `tril(ones)` buffer, sliced to T x T
   and compared with 0. Its value is read at compile time.
@@ -11,7 +11,6 @@ Two sources, each proven causal before it is replaced:
   tensor input, only sizes, so it is run at compile time on sequence lengths beyond every integer
   constant it contains (a sliding window of W is causal below W and not above: the probe sees
   both), for two batch sizes, and must equal the lower triangle at every one of them.
-
 * `CausalKeyPadding` (causal_key_padding) — the same with the model's attention_mask on the keys:
   the causal triangle and the keys whose attention_mask is nonzero, probed with padding patterns;
   the attention gets is_causal and a (batch, 1, 1, T) key mask.
@@ -28,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import evaluate, kind, scalar, tensor_meta
+from transfuse.passes.graph import evaluate, kind, scalar, tensor_meta, value
 from transfuse.passes.manager import PassContext
 
 # The probe runs the mask at this many query positions at most (a bool T x T tensor: 64 MiB at 8192).
@@ -56,11 +55,11 @@ def causal_buffer(ctx: PassContext, spec: dict) -> bool:
     if not (isinstance(sliced, fx.Node) and sliced.op == "call_function" and sliced.target is operator.getitem):
         return False
     buffer, index = sliced.args
-    value = ctx.placeholder_value(buffer) if isinstance(buffer, fx.Node) else None
-    if value is None or value.dim() < 2 or value.shape[-1] != value.shape[-2] or not isinstance(index, tuple):
+    tril_buffer = ctx.placeholder_value(buffer) if isinstance(buffer, fx.Node) else None
+    if tril_buffer is None or tril_buffer.dim() < 2 or tril_buffer.shape[-1] != tril_buffer.shape[-2] or not isinstance(index, tuple):
         return False
     *lead, rows, cols = index
-    if len(index) != value.dim() or any(i != slice(None) for i in lead):
+    if len(index) != tril_buffer.dim() or any(i != slice(None) for i in lead):
         return False
     if not all(isinstance(i, slice) and i.start in (None, 0) and i.step is None for i in (rows, cols)) \
             or rows.stop is not cols.stop and str(rows.stop) != str(cols.stop):
@@ -68,35 +67,20 @@ def causal_buffer(ctx: PassContext, spec: dict) -> bool:
     q_len, k_len = tensor_meta(spec["q"]).shape[-2], tensor_meta(spec["v"]).shape[-2]
     if str(q_len) != str(k_len):
         return False
-    n = value.shape[-1]
-    tril = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
-    return bool(((value != 0) == tril).all())
+    n = tril_buffer.shape[-1]
+    tril = torch.ones(n, n, dtype=torch.bool, device=tril_buffer.device).tril()
+    return bool(((tril_buffer != 0) == tril).all())
 
 
 def causal_from_shapes(ctx: PassContext, spec: dict) -> bool:
     """Whether the spec's one mask is computed from sizes alone and is the causal lower triangle at
     every probed length (module docstring)."""
-    if not ctx.training:
+    found = _one_mask(ctx, spec)
+    if found is None:
         return False
-    if len(spec["masks"]) + len(spec["bool_masks"]) != 1:
-        return False
-    if spec["masks"]:
-        mask, keep_where = spec["masks"][0], None  # SDPA: True keeps; additive: 0 keeps
-    else:
-        how, mask = spec["bool_masks"][0]
-        keep_where = how == "keep"
-    if not isinstance(mask, fx.Node) or tensor_meta(mask) is None:
-        return False
-    seq = _sequence_symbol(spec)
-    if seq is None:
-        return False
-    region = _mask_region(mask)
-    if region is None or region[2]:
-        return False
-    nodes, sizes, _, biggest = region
-    try:
-        probes = _probe_sizes(biggest, seq, spec)
-    except _Unprovable:
+    mask, keep_where, seq, (nodes, sizes, tensors, biggest) = found
+    probes = _probe_sizes(biggest, seq, spec)
+    if tensors or probes is None:
         return False
     for seq_len, other in probes:
         result = _run(nodes, mask, _size_env(sizes, seq, seq_len, other))
@@ -106,27 +90,19 @@ def causal_from_shapes(ctx: PassContext, spec: dict) -> bool:
 
 
 def causal_key_padding(ctx: PassContext, spec: dict) -> tuple[fx.Node, tuple[bool, bool]] | None:
-    """(the model input P (batch, seq), whether each of its dims must be exactly that size) when the spec's one mask is the causal triangle and the keys k
-    with P[b, k] != 0: Hugging Face's mask when the model gets an attention_mask (a data collator
+    """(the model input P (batch, seq), whether each of its dims must be exactly that size) when the
+    spec's one mask is the causal triangle and the keys k with P[b, k] != 0: Hugging Face's mask when the model gets an attention_mask (a data collator
     always passes one). The attention then gets is_causal and a (batch, 1, 1, seq) key mask instead
     of reading a T x T one. Proven as causal_from_shapes is, for P of all ones, all zeros, right and
     left padding and random values (2 and -3 among them: any nonzero value keeps a key)."""
-    if not ctx.training or spec.get("dropout_p", 0.0):  # SDPA takes no mask with is_causal
+    found = _one_mask(ctx, spec) if not spec.get("dropout_p", 0.0) else None  # SDPA takes no mask with is_causal
+    if found is None:
         return None
-    if len(spec["masks"]) + len(spec["bool_masks"]) != 1:
+    mask, keep_where, seq, (nodes, sizes, tensors, biggest) = found
+    probes = _probe_sizes(biggest, seq, spec)
+    if len(tensors) != 1 or probes is None:
         return None
-    if spec["masks"]:
-        mask, keep_where = spec["masks"][0], None
-    else:
-        how, mask = spec["bool_masks"][0]
-        keep_where = how == "keep"
-    seq = _sequence_symbol(spec)
-    if not isinstance(mask, fx.Node) or tensor_meta(mask) is None or seq is None:
-        return None
-    region = _mask_region(mask)
-    if region is None or len(region[2]) != 1:
-        return None
-    nodes, sizes, (padding,), biggest = region
+    (padding,) = tensors
     meta = tensor_meta(padding)
     if meta.dim() != 2 or meta.dtype.is_complex:
         return None
@@ -134,10 +110,6 @@ def causal_key_padding(ctx: PassContext, spec: dict) -> tuple[fx.Node, tuple[boo
     if any(e is not None and not isinstance(e, sympy.Symbol) for e in own):
         return None
     generator = torch.Generator().manual_seed(0)
-    try:
-        probes = _probe_sizes(biggest, seq, spec)
-    except _Unprovable:
-        return None
     exact = [False, False]  # P's rows, P's columns
     for seq_len, other in probes:
         # P of the batch's and the keys' sizes, then with more rows, then more columns: where the
@@ -179,29 +151,42 @@ def key_padding_mask(padding: torch.Tensor, batch: int, keys: int, exact: tuple[
     return (padding[:batch, :keys] != 0)[:, None, None, :]
 
 
-def _probe_sizes(biggest: int, seq: sympy.Symbol | int, spec: dict) -> list[tuple[int, int]]:
-    """(sequence length, batch) pairs to run a mask at: lengths beyond every integer constant in it;
-    a static length (and batch) alone, the only ones the graph runs at."""
+def _one_mask(ctx: PassContext, spec: dict) -> tuple | None:
+    """(the spec's one mask, keep_where (None: SDPA's mask, bool True keeps, additive 0 keeps; else
+    whether the bool keeps), the sequence length (_sequence_symbol), _mask_region of the mask) in a
+    training graph whose attention has exactly one mask that the probe can run; else None."""
+    if not ctx.training or len(spec["masks"]) + len(spec["bool_masks"]) != 1:
+        return None
+    if spec["masks"]:
+        mask, keep_where = spec["masks"][0], None
+    else:
+        how, mask = spec["bool_masks"][0]
+        keep_where = how == "keep"
+    seq = _sequence_symbol(spec)
+    if not isinstance(mask, fx.Node) or tensor_meta(mask) is None or seq is None:
+        return None
+    region = _mask_region(mask)
+    return None if region is None else (mask, keep_where, seq, region)
+
+
+def _probe_sizes(biggest: int, seq: sympy.Symbol | int, spec: dict) -> list[tuple[int, int]] | None:
+    """(sequence length, batch) pairs to run a mask at: lengths beyond every integer constant in it
+    (None when that would pass MAX_PROBE_LENGTH: not provable here); a static length (and batch)
+    alone, the only ones the graph runs at."""
     if isinstance(seq, int):
         batch = tensor_meta(spec["q"]).shape[0]
         return [(seq, batch if isinstance(batch, int) else 2)]
     length = max(2 * biggest + 3, 67)
-    if length > MAX_PROBE_LENGTH:
-        raise _Unprovable(f"a constant of {biggest} would need a probe of length {length}")
-    return [(1, 2), (17, 3), (length, 2)]
-
-
-class _Unprovable(Exception):
-    """The mask could be causal but the probe cannot show it."""
+    return [(1, 2), (17, 3), (length, 2)] if length <= MAX_PROBE_LENGTH else None
 
 
 def _size_env(sizes: list[fx.Node], seq: sympy.Symbol, seq_len: int, other: int, fixed: dict | None = None) -> dict | None:
     env = {}
     for leaf in sizes:
-        value = _size_value(leaf, seq, seq_len, other, fixed or {})
-        if value is None:
+        size = _size_value(leaf, seq, seq_len, other, fixed or {})
+        if size is None:
             return None
-        env[leaf] = value
+        env[leaf] = size
     return env
 
 
@@ -251,14 +236,14 @@ def _mask_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], list[fx.N
         if node in seen:
             continue
         seen.add(node)
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
+        recorded = value(node)
+        if isinstance(recorded, (torch.SymInt, int)) and not isinstance(recorded, bool):
             sizes.append(node)  # assigned a value by the probe, whatever computes it
             continue
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+        if node.op == "placeholder" and isinstance(recorded, torch.Tensor):
             tensors.append(node)
             continue
-        if node.op in ("placeholder", "get_attr", "output") or not isinstance(value, torch.Tensor):
+        if node.op in ("placeholder", "get_attr", "output") or not isinstance(recorded, torch.Tensor):
             return None
         nodes.append(node)
         for a in _flat(node.args) + _flat(node.kwargs):
@@ -287,10 +272,10 @@ def _flat(args) -> list:
 def _size_value(leaf: fx.Node, seq: sympy.Symbol, seq_len: int, other: int, fixed: dict) -> int | None:
     """The probe's value of a size node: its expression with the sequence symbol at seq_len, the
     symbols in `fixed` (a mask input's own dims) at theirs, every other symbol (the batch) at `other`."""
-    value = leaf.meta.get("example_value", leaf.meta.get("val"))
-    if isinstance(value, int):
-        return value
-    expr = value.node.expr
+    size = value(leaf)
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
     result = expr.subs({s: (seq_len if s == seq else fixed.get(s, other)) for s in expr.free_symbols})
     return int(result) if result.is_Integer else None
 

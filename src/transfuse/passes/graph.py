@@ -194,6 +194,14 @@ def autocast_readers(node: fx.Node) -> tuple[torch.dtype, list[fx.Node]] | None:
     return (dtype, views) if dtype in (torch.float16, torch.bfloat16) else None
 
 
+def record_dtype(views: list[fx.Node], dtype: torch.dtype) -> None:
+    """Record `dtype` on autocast_readers' views once the op before them writes that dtype: later
+    passes read these dtypes."""
+    for view in views:
+        if tensor_meta(view) is not None:
+            view.meta["example_value"] = tensor_meta(view).to(dtype)
+
+
 def slices_only(node: fx.Node) -> bool:
     """Whether node is `t[...]` with slices only (a view of t, no gather)."""
     if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:

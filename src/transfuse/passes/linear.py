@@ -15,7 +15,7 @@ Under torch.autocast F.linear's output has the autocast dtype while its operands
 parameters, often an fp32 input): autocast casts all three before the GEMM, so the rewrite puts the
 same casts in front of the op, and the GEMM and its epilogue run in that dtype, as eager's do. An
 activation that autocast finishes in fp32 (CUDA autocast runs `pow` in fp32) is fused when only
-such casting linears read it: see _narrowed_by_readers.
+such casting linears read it: see _narrowed_views.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from transfuse.passes.graph import POINTWISE, arg, autocast_readers, cast_to, kind, same_shape, scalar, shape, tensor_meta
+from transfuse.passes.graph import (POINTWISE, arg, autocast_readers, cast_to, kind, record_dtype, same_shape, scalar, shape,
+                                    tensor_meta)
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
@@ -64,7 +65,7 @@ def run(ctx: PassContext) -> None:
             ctx.matched(GATED)
             continue
         view = _row_view(node)
-        activation, last = _activation(view or node)
+        activation, last, narrowed = _activation(view or node)
         residual, last = _residual(last, view or node)
         if last is view:  # nothing to fuse after the view
             view, last = None, node
@@ -80,8 +81,8 @@ def run(ctx: PassContext) -> None:
                 new.meta["example_value"] = node.meta.get("example_value")
                 new = graph.call_method(view.target, (new, *view.args[1:]), dict(view.kwargs))
         recorded = tensor_meta(last)
-        if recorded is not None and recorded.dtype != tensor_meta(node).dtype:  # see _narrowed_by_readers
-            _narrow_views(last, tensor_meta(node).dtype)
+        if narrowed is not None:  # see _narrowed_views
+            record_dtype(narrowed, tensor_meta(node).dtype)
             recorded = recorded.to(tensor_meta(node).dtype)
         new.meta["example_value"] = recorded if recorded is not None else last.meta.get("example_value")
         last.replace_all_uses_with(new)
@@ -118,39 +119,39 @@ def _operands(graph: fx.Graph, linear: fx.Node) -> tuple:
     return tuple(operands)
 
 
-def _activation(linear: fx.Node) -> tuple[str, fx.Node]:
-    """('none', linear) or (name, last node of the element-wise chain that computes it)."""
+def _activation(linear: fx.Node) -> tuple[str, fx.Node, list[fx.Node] | None]:
+    """('none', linear, None) or (name, last node of the element-wise chain that computes it, the
+    views to its readers when the epilogue writes the chain's fp32 value narrower: _narrowed_views)."""
     region, exit_node = _pointwise_region(linear)
     if exit_node is None:
-        return "none", linear
+        return "none", linear, None
     out = tensor_meta(exit_node)
-    if out is None or (out.dtype != tensor_meta(linear).dtype and not _narrowed_by_readers(exit_node, linear)):
-        return "none", linear
+    if out is None:
+        return "none", linear, None
+    narrowed = None
+    if out.dtype != tensor_meta(linear).dtype:
+        narrowed = _narrowed_views(exit_node, linear)
+        if narrowed is None:
+            return "none", linear, None
     try:
         probed = _evaluate(region, linear, exit_node, _PROBE)
     except Exception:  # an op our probe cannot evaluate: not a recognisable activation
-        return "none", linear
+        return "none", linear, None
     for name, fn in ACTIVATIONS.items():
         expected = fn(_PROBE)
         if probed.shape == expected.shape and torch.allclose(probed, expected, rtol=1e-5, atol=1e-6):
-            return name, exit_node
-    return "none", linear
+            return name, exit_node, narrowed
+    return "none", linear, None
 
 
-def _narrowed_by_readers(exit_node: fx.Node, linear: fx.Node) -> bool:
-    """Whether the activation's fp32 value is only read by linears that cast it back to the GEMM's
-    half dtype. CUDA autocast runs `pow` in fp32, so Hugging Face's NewGELUActivation on a bf16
-    GEMM result ends in fp32; GPT-2's next projection casts it to bf16 again. The epilogue then
-    writes bf16: the same fp32 activation rounded once, as eager's reader rounds it."""
+def _narrowed_views(exit_node: fx.Node, linear: fx.Node) -> list[fx.Node] | None:
+    """The views between the activation and its readers (graph.autocast_readers) when the activation's
+    fp32 value is only read by linears that cast it back to the GEMM's half dtype, else None. CUDA
+    autocast runs `pow` in fp32, so Hugging Face's NewGELUActivation on a bf16 GEMM result ends in
+    fp32; GPT-2's next projection casts it to bf16 again. The epilogue then writes bf16: the same fp32
+    activation rounded once, as eager's reader rounds it."""
     readers = autocast_readers(exit_node)
-    return readers is not None and readers[0] == tensor_meta(linear).dtype
-
-
-def _narrow_views(exit_node: fx.Node, dtype: torch.dtype) -> None:
-    """Record `dtype` on the views between the activation and its readers (see _narrowed_by_readers),
-    which now view the epilogue's narrower output: later passes read these dtypes."""
-    for view in autocast_readers(exit_node)[1]:
-        view.meta["example_value"] = tensor_meta(view).to(dtype)
+    return readers[1] if readers is not None and readers[0] == tensor_meta(linear).dtype else None
 
 
 def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import POINTWISE, arg, autocast_readers, kind, node_order, same_shape, same_size, scalar, shape, tensor_meta
+from transfuse.passes.graph import POINTWISE, arg, autocast_readers, kind, node_order, record_dtype, same_shape, same_size, scalar, shape, tensor_meta
 from transfuse.passes.manager import PassContext
 
 FUSED = "ResidualLayerNorm"
@@ -120,9 +120,7 @@ def _output_dtype(ctx: PassContext, pattern: str, out: fx.Node, first_input: fx.
     readers = autocast_readers(out) if ctx.training else None
     if readers is not None:
         dtype, views = readers
-        for view in views:  # what later passes read of them: the dtype they now have
-            if tensor_meta(view) is not None:
-                view.meta["example_value"] = tensor_meta(view).to(dtype)
+        record_dtype(views, dtype)
         return (dtype,), (value.to(dtype) if value is not None else None)
     ours, recorded = tensor_meta(first_input), tensor_meta(out)
     if ours is not None and recorded is not None and recorded.dtype != ours.dtype:
