@@ -199,8 +199,8 @@ def build_cases(q, k, v, do, scale: float, causal: bool):
     buckets = (at._bucket(S), at._bucket(S))
     group = H // HKV
 
-    out, lse = at.attention_train_empty_out(q)          # written by the swept forward tiles
-    out_ref, lse_ref = at.attention_train_empty_out(q)  # the launcher's, input of the backward
+    out, lse, stats = at.attention_train_empty_out(q)              # written by the swept forward tiles
+    out_ref, lse_ref, stats_ref = at.attention_train_empty_out(q)  # the launcher's, input of the backward
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     dq, dk, dv, _ = at.attention_train_empty_grads(q, k, v, None, False)
     dq_ref, dk_ref, dv_ref, _ = at.attention_train_empty_grads(q, k, v, None, False)
@@ -209,20 +209,20 @@ def build_cases(q, k, v, do, scale: float, causal: bool):
     fwd = Case(
         "fwd", at._attention_train_fwd_kernel,
         (q, *strides3(q), k, *strides3(k), v, *strides3(v), q, *no_bias,
-         out, *strides3(out), lse, H, group, S, S, float(scale), *buckets),
+         out, *strides3(out), lse, stats, H, group, S, S, float(scale), *buckets),
         flags, lambda bm, bn: (triton.cdiv(S, bm) * B * H,),
-        [(out, out_ref), (lse, lse_ref)], MATMULS["fwd"] * per_matmul)
+        [(out, out_ref), (lse, lse_ref), (stats, stats_ref)], MATMULS["fwd"] * per_matmul)
     dkdv = Case(
         "dkdv", at._attention_train_bwd_dkdv_kernel,
         (q, *strides3(q), k, *strides3(k), v, *strides3(v), q, *no_bias,
          do, *strides3(do), dk, *strides3(dk), dv, *strides3(dv), delta, *no_bias,
-         lse_ref, delta, HKV, group, S, S, float(scale), *buckets),
+         stats_ref, delta, HKV, group, S, S, float(scale), *buckets),
         dict(flags, STORE_DS=False, DS_SUM_Q=False), lambda bm, bn: (triton.cdiv(S, bn) * B * HKV,),
         [(dk, dk_ref), (dv, dv_ref)], MATMULS["dkdv"] * per_matmul)
     dqc = Case(
         "dq", at._attention_train_bwd_dq_kernel,
         (q, *strides3(q), k, *strides3(k), v, *strides3(v), q, *no_bias,
-         do, *strides3(do), dq, *strides3(dq), lse_ref, delta, H, group, S, S, float(scale), *buckets),
+         do, *strides3(do), dq, *strides3(dq), stats_ref, delta, H, group, S, S, float(scale), *buckets),
         flags, lambda bm, bn: (triton.cdiv(S, bm) * B * H,),
         [(dq, dq_ref)], MATMULS["dq"] * per_matmul)
 
@@ -236,7 +236,7 @@ def build_cases(q, k, v, do, scale: float, causal: bool):
             num_warps=4, num_stages=1,
         )
 
-    refs = dict(out_ref=out_ref, lse_ref=lse_ref, dq_ref=dq_ref, dk_ref=dk_ref, dv_ref=dv_ref)
+    refs = dict(out_ref=out_ref, lse_ref=lse_ref, stats_ref=stats_ref, dq_ref=dq_ref, dk_ref=dk_ref, dv_ref=dv_ref)
     return {"fwd": fwd, "dkdv": dkdv, "dq": dqc}, refs, preprocess, flags
 
 
@@ -505,9 +505,9 @@ def main(argv=None) -> None:
 
     # The autotuned launchers: the oracle of every tile, and the current choice.
     log("autotuned launchers ...")
-    out, lse = at.attention_train_fwd(q, k, v, None, scale, a.causal)
-    dq, dk, dv, _ = at.attention_train_bwd(do, q, k, v, None, out, lse, scale, a.causal, False)
-    for key, val in (("out_ref", out), ("lse_ref", lse), ("dq_ref", dq), ("dk_ref", dk), ("dv_ref", dv)):
+    out, lse, stats = at.attention_train_fwd(q, k, v, None, scale, a.causal)
+    dq, dk, dv, _ = at.attention_train_bwd(do, q, k, v, None, out, stats, scale, a.causal, False)
+    for key, val in (("out_ref", out), ("lse_ref", lse), ("stats_ref", stats), ("dq_ref", dq), ("dk_ref", dk), ("dv_ref", dv)):
         refs[key].copy_(val)
     preprocess()
     autotuned = {"fwd": config_tile(at._attention_train_fwd_kernel_autotuned),
@@ -520,7 +520,7 @@ def main(argv=None) -> None:
     records = [meta]
     per_matmul = cases["fwd"].flops / MATMULS["fwd"]
     us_fwd = time_us(lambda: at.attention_train_fwd(q, k, v, None, scale, a.causal), a.warmup, a.reps, cuda)
-    us_bwd = time_us(lambda: at.attention_train_bwd(do, q, k, v, None, out, lse, scale, a.causal, False),
+    us_bwd = time_us(lambda: at.attention_train_bwd(do, q, k, v, None, out, stats, scale, a.causal, False),
                      a.warmup, a.reps, cuda)
     us_pre = time_us(preprocess, a.warmup, a.reps, cuda)
     launcher = dict(kind="launcher", fwd_us=us_fwd, bwd_us=us_bwd, preprocess_us=us_pre,

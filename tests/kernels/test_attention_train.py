@@ -40,7 +40,7 @@ def _forward_backward(fn, q, k, v, bias, scale, is_causal, grad_out, grad_lse):
 
 
 def _ours(q, k, v, bias, scale, is_causal):
-    return torch.ops.transfuse.attention_train_fwd(q, k, v, bias, scale, is_causal)
+    return torch.ops.transfuse.attention_train_fwd(q, k, v, bias, scale, is_causal)[:2]
 
 
 def _max_err(a, b):
@@ -104,7 +104,7 @@ def test_matches_sdpa_causal_alignment(device):
     """Same top-left causal alignment as F.scaled_dot_product_attention(is_causal=True) when seqlen_q != seqlen_k."""
     for seqlen_q, seqlen_k in ((11, 29), (29, 11)):
         q, k, v = qkv(1, 2, 2, seqlen_q, seqlen_k, 16, torch.float32, device)
-        out, _ = attention_train_fwd(q, k, v, None, 0.3, True)
+        out = attention_train_fwd(q, k, v, None, 0.3, True)[0]
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
                                    atol=1e-5, rtol=1e-5)
 
@@ -165,20 +165,24 @@ def test_fully_masked_rows_no_nan(device):
     assert dbias[5].eq(0).all() and dbias.triu(1).eq(0).all() and dbias.tril().ne(0).any()
 
 
-def test_rows_masked_by_finite_min(device):
-    """Left padding + causal with an HF-style finfo.min mask: rows < 10 see only padded keys. Forward: the
-    softmax spreads over their keys j <= i, as eager does. Backward: right when those rows' output
-    gradient is 0 (padding, whose loss is ignored), the case the module docstring limits itself to."""
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_rows_masked_by_finite_min(device, bias_grad):
+    """Left padding + causal with an HF-style finfo.min mask: rows < 10 see only padded keys, and every
+    score of theirs rounds to finfo.min. Eager spreads their softmax evenly over their keys j <= i; the
+    backward must recompute those weights (1 / (i + 1)), not 1, with a nonzero output gradient there
+    (a padded position whose next token is a label). The lse alone cannot: it rounds to finfo.min."""
     pad = 10
     q, k, v = qkv(2, 2, 2, S, S, 16, torch.float32, device)
     bias = torch.zeros(1, 1, 1, S, device=device)
     bias[..., :pad] = FP32_MIN
+    bias.requires_grad_(bias_grad)
     grad_out = torch.randn_like(q)
-    grad_out[:, :, :pad] = 0
     ours = _forward_backward(_ours, q, k, v, bias, 0.25, True, grad_out, None)
     ref = _forward_backward(attention_train_ref, q, k, v, bias, 0.25, True, grad_out, None)
     _assert_close_fp32(ours, ref)
     torch.testing.assert_close(ours[0][:, :, 4], v[:, :, :5].mean(2), atol=1e-5, rtol=1e-5)
+    # dV of key 0 gets 1/(i+1) of every padded row i's output gradient (and the unpadded rows' share)
+    assert ours[4][:, :, 0].abs().max() < 10 * grad_out.abs().max()
 
 
 # ---- low precision ---------------------------------------------------------------------------------
@@ -249,17 +253,17 @@ def test_strided_inputs(device):
     bias = torch.randn(batch, nheads, seqlen, seqlen, device=device).transpose(-1, -2).requires_grad_()
     _check_fp32(q2, k, v, bias, 0.3, False, use_lse=True)
 
-    out, lse = attention_train_fwd(q, k, v, None, 0.3, False)
+    out, _, stats = attention_train_fwd(q, k, v, None, 0.3, False)
     out.transpose(1, 2).view(batch, seqlen, nheads * head_dim)  # a free view: raises if not
     for grad_out in (torch.randn(batch, seqlen, nheads, head_dim, device=device).transpose(1, 2),
                      torch.randn(batch, nheads, head_dim, seqlen, device=device).transpose(-1, -2)):
-        ref = attention_train_bwd(grad_out.contiguous(), q, k, v, None, out, lse, 0.3, False, False)
-        dq, dk, dv, dbias = attention_train_bwd(grad_out, q, k, v, None, out, lse, 0.3, False, False)
+        ref = attention_train_bwd(grad_out.contiguous(), q, k, v, None, out, stats, 0.3, False, False)
+        dq, dk, dv, dbias = attention_train_bwd(grad_out, q, k, v, None, out, stats, 0.3, False, False)
         assert dbias is None and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), ref[:3]))
 
     # A q laid out as (batch, seqlen, nheads, headdim) (a dense view) gets a dq of that layout.
     q3 = torch.randn(batch, seqlen, nheads, head_dim, device=device).transpose(1, 2)
-    dq3 = attention_train_bwd(grad_out, q3, k, v, None, out, lse, 0.3, False, False)[0]
+    dq3 = attention_train_bwd(grad_out, q3, k, v, None, out, stats, 0.3, False, False)[0]
     assert dq3.stride() == q3.stride()
 
 
@@ -272,8 +276,8 @@ def test_every_gpu_tile_shape(blocks, device):
     bias = torch.randn(1, 2, seqlen_q, seqlen_k, device=device)
     grad_out = torch.randn_like(q)
     ref = _forward_backward(attention_train_ref, q, k, v, bias.clone().requires_grad_(), 0.25, True, grad_out, None)
-    out, lse = attention_train_fwd(q, k, v, bias, 0.25, True, blocks=blocks)
-    grads = attention_train_bwd(grad_out, q, k, v, bias, out, lse, 0.25, True, True, blocks=blocks)
+    out, lse, stats = attention_train_fwd(q, k, v, bias, 0.25, True, blocks=blocks)
+    grads = attention_train_bwd(grad_out, q, k, v, bias, out, stats, 0.25, True, True, blocks=blocks)
     _assert_close_fp32((out, lse, *grads), ref)
 
 
@@ -310,10 +314,10 @@ def test_schemas():
         "transfuse::attention_train(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal) -> Tensor")
     assert str(torch.ops.transfuse.attention_train_fwd.default._schema) == (
         "transfuse::attention_train_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal)"
-        " -> (Tensor, Tensor)")
+        " -> (Tensor, Tensor, Tensor)")
     assert str(torch.ops.transfuse.attention_train_bwd.default._schema) == (
         "transfuse::attention_train_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor out, "
-        "Tensor lse, Tensor? grad_lse, float scale, bool is_causal, bool bias_needs_grad)"
+        "Tensor stats, Tensor? grad_lse, float scale, bool is_causal, bool bias_needs_grad)"
         " -> (Tensor, Tensor, Tensor, Tensor)")
 
 
@@ -329,10 +333,10 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.transfuse.attention_train_fwd.default, (q, k, v, bias, 0.25, True))
     torch.library.opcheck(torch.ops.transfuse.attention_train.default, (q, k, v, bias.detach(), 0.25, False))
     q, k, v, bias = _small(device, requires_grad=False)
-    out, lse = attention_train_fwd(q, k, v, bias, 0.25, True)
+    out, lse, stats = attention_train_fwd(q, k, v, bias, 0.25, True)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(torch.ops.transfuse.attention_train_bwd.default,
-                          (grad_out, q, k, v, bias, out, lse, torch.randn_like(lse), 0.25, True, True))
+                          (grad_out, q, k, v, bias, out, stats, torch.randn_like(lse), 0.25, True, True))
 
 
 def test_op_autograd_and_fake_layout(device):
@@ -345,13 +349,14 @@ def test_op_autograd_and_fake_layout(device):
     _assert_close_fp32((out, ref[1], *grads), (ref[0], ref[1], *ref[2:]))
 
     real = attention_train_fwd(q.detach(), k.detach(), v.detach(), bias.detach(), 0.25, True)
-    real_grads = attention_train_bwd(grad_out, q.detach(), k.detach(), v.detach(), bias.detach(), *real, 0.25,
-                                     True, True)
+    real_grads = attention_train_bwd(grad_out, q.detach(), k.detach(), v.detach(), bias.detach(), real[0],
+                                     real[2], 0.25, True, True)
     plain = [t.detach() for t in (q, k, v, bias, grad_out)]
     with FakeTensorMode() as mode:
         fq, fk, fv, fb, fg = (mode.from_tensor(t) for t in plain)
         fake = torch.ops.transfuse.attention_train_fwd(fq, fk, fv, fb, 0.25, True)
-        fake_grads = torch.ops.transfuse.attention_train_bwd(fg, fq, fk, fv, fb, *fake, None, 0.25, True, True)
+        fake_grads = torch.ops.transfuse.attention_train_bwd(fg, fq, fk, fv, fb, fake[0], fake[2], None, 0.25,
+                                                             True, True)
     for a, b in zip((*real, *real_grads), (*fake, *fake_grads)):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
@@ -445,8 +450,8 @@ def test_gpu_deterministic():
     """No atomics: two backward passes give bitwise equal gradients."""
     q, k, v = qkv(2, 12, 4, 1024, 1024, 128, torch.bfloat16, "cuda")
     bias = torch.randn(1, 12, 1024, 1024, dtype=torch.bfloat16, device="cuda")
-    out, lse = attention_train_fwd(q, k, v, bias, 0.125, True)
+    out, _, stats = attention_train_fwd(q, k, v, bias, 0.125, True)
     grad_out = torch.randn_like(out)
-    first = attention_train_bwd(grad_out, q, k, v, bias, out, lse, 0.125, True, True)
-    second = attention_train_bwd(grad_out, q, k, v, bias, out, lse, 0.125, True, True)
+    first = attention_train_bwd(grad_out, q, k, v, bias, out, stats, 0.125, True, True)
+    second = attention_train_bwd(grad_out, q, k, v, bias, out, stats, 0.125, True, True)
     assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -133,10 +133,10 @@ def test_attention_mask_with_padding_becomes_a_key_mask(family, padding, key_mas
     assert _rewrites(model)["CausalKeyPadding"] == key_masks, _rewrites(model)
 
 
-@pytest.mark.xfail(strict=True, reason="known: a row whose additive mask is the dtype's minimum everywhere "
-                   "(HF eager attention, left padding) loses log(keys) in the stored logsumexp, so the "
-                   "attention backward recomputes probabilities of 1, not 1 / keys; the forward is right")
 def test_gpt2_left_padding_gradients_equal_eager():
+    """HF's eager attention adds finfo.min: left padding leaves queries whose every score is finfo.min,
+    which eager spreads evenly over all keys. The last padded position predicts a real label, so its
+    output gradient is not 0 and the attention backward must recompute those even weights."""
     model = _hf_gpt2()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 13))

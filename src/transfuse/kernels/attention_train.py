@@ -10,6 +10,8 @@ dQ in a kernel of its own instead of atomics, so that every gradient is determin
           turned into an additive one by the caller: `torch.zeros(shape).masked_fill(~mask, -inf)`.
     out: (batch, nheads, seqlen_q, headdim) laid out as a contiguous (batch, seqlen_q, nheads, headdim)
     lse: (batch, nheads, seqlen_q) fp32, contiguous, natural log
+    stats: (batch, nheads, 2, seqlen_q) fp32, contiguous: the row maximum m of s (0 for a row that sees
+           no key) and log(l), l = sum_j exp(s_ij - m); what the backward reads instead of lse (below)
     headdim <= 256 (padded to a power of two >= 16 inside, with masks); any seqlen_q, seqlen_k.
 
 Forward:
@@ -22,7 +24,7 @@ lse = -inf, and its gradients are 0: SDPA's "safe softmax" rather than the NaN o
 
 Backward (dO = grad of out; dlse = grad of lse, optional):
     delta_i = sum_d dO_id * O_id - dlse_i          preprocess kernel, fp32 (FA-2's D_i)
-    P = exp(s - lse)                               recomputed from the saved lse, never stored
+    P = exp((s - m) - log(l))                      recomputed from the saved stats, never stored
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta)
     dQ = scale * dS K,  dK = scale * dS^T Q,  dbias = dS summed over the dims where bias broadcasts
 The dlse term: d lse_i / d s_ij = P_ij, so it only shifts delta (dS = P * (dP - (delta - dlse))).
@@ -39,11 +41,12 @@ Numerics. fp32 accumulation everywhere; fp16/bf16 operands go to tl.dot as they 
 widened to fp32 right after loading under the interpreter (its bf16 arithmetic is wrong otherwise).
 Masked scores use exp(s - m) in natural units: folding log2(e) into s would overflow finfo(fp32).min to
 -inf (see kernels/attention.py); blocks without bias, causal or bounds tests use FA-2's single FMA per
-score with exp2. Limitation shared with every lse-based backward (flash-attn, PyTorch's efficient
-kernel): P is recomputed as exp(s - lse), and lse = m + log(l) rounds at the magnitude of the row maximum
-m. For a row masked entirely by a finite value (finfo.min: m = -3.4e38) lse rounds to m and the
-recomputed weights are 1 instead of 1/l, so such a row (which sees no key) gets wrong gradients unless
-its output gradient is zero, as for padding rows whose loss is ignored. Mask whole rows with -inf.
+score with exp2. Why m and log(l) are saved apart, not lse = m + log(l) as in flash-attn: lse rounds at
+the magnitude of m. For a row masked entirely by a finite value (Hugging Face's eager attention adds
+finfo.min, and left padding leaves queries that see only masked keys) every score is m = -3.4e38, lse
+rounds to m, and exp(s - lse) would give every key a weight of 1 instead of eager's 1 / l. exp((s - m) -
+log(l)) is exact there; elsewhere it costs one subtraction per masked score (the unmasked blocks fold
+m + log(l) once per row, as before).
 
 Not supported: dropout (p = 0 only), a boolean mask (convert it, see above), double backward,
 headdim > 256, fp64, a negative scale. Sizes that change every step (the sequence lengths) are not specialised on, and the
@@ -259,7 +262,7 @@ def _attention_train_fwd_kernel(
     v_ptr, stride_v_batch, stride_v_head, stride_v_seq,
     bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_q, stride_bias_k,
     out_ptr, stride_out_batch, stride_out_head, stride_out_seq,
-    lse_ptr,
+    lse_ptr, stats_ptr,
     nheads, kv_group, seqlen_q, seqlen_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
@@ -336,7 +339,8 @@ def _attention_train_fwd_kernel(
     # row gets out = 0 and lse = m_i + log(1) = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
-    lse = m_i + tl.log(l_safe)
+    log_l = tl.log(l_safe)
+    lse = m_i + log_l
     out_ptrs = (out_ptr + off_b * stride_out_batch + off_h * stride_out_head
                 + rows64[:, None] * stride_out_seq + offs_d[None, :])
     row_ok = rows < seqlen_q
@@ -345,6 +349,11 @@ def _attention_train_fwd_kernel(
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + pid_bh.to(tl.int64) * seqlen_q + rows, lse, mask=row_ok)
+    # The backward's statistics: m and log(l) apart (see the module docstring), m = 0 for a row that
+    # sees no key, so that the backward's exp(s - m - log(l)) is exp(-inf) = 0 there.
+    stats_row = stats_ptr + pid_bh.to(tl.int64) * (2 * seqlen_q) + rows
+    tl.store(stats_row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
+    tl.store(stats_row + seqlen_q, log_l, mask=row_ok)
 
 
 _FWD_KEYS = ["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "BIAS_BROADCAST_Q"]
@@ -391,14 +400,14 @@ def _attention_train_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _recompute_p_t(qk_t, lse, bias_ptrs, rows, cols, col_ok, seqlen_q, scale,
+def _recompute_p_t(qk_t, m, log_l, bias_ptrs, rows, cols, col_ok, seqlen_q, scale,
                    CHECK_Q: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BIAS_BROADCAST_Q: tl.constexpr):
-    """P^T = exp(s^T - lse) for one (BLOCK_N keys, BLOCK_M queries) tile of the dK/dV kernel.
+    """P^T = exp(s^T - m - log(l)) for one (BLOCK_N keys, BLOCK_M queries) tile of the dK/dV kernel.
 
     Keys past seqlen_k (this program's block may be partial) are only masked in the bias load: their
     P only reaches the dK/dV rows and dS columns of those keys, which are never stored. Queries past
-    seqlen_q need no mask either: their q = dO = 0 and lse = delta = 0 give a finite P and dS = 0."""
+    seqlen_q need no mask either: their q = dO = 0 and m = log(l) = delta = 0 give a finite P and dS = 0."""
     ELEMENT_MASKED: tl.constexpr = HAS_BIAS or APPLY_CAUSAL
     if ELEMENT_MASKED:
         s_t = qk_t * scale
@@ -412,16 +421,17 @@ def _recompute_p_t(qk_t, lse, bias_ptrs, rows, cols, col_ok, seqlen_q, scale,
             s_t = s_t + b
         if APPLY_CAUSAL:
             s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
-        p_t = tl.exp(s_t - lse[None, :])
+        # s - m first: exact where the row's scores are all one huge finite value (finfo.min masks).
+        p_t = tl.exp((s_t - m[None, :]) - log_l[None, :])
     else:
-        p_t = tl.math.exp2(qk_t * (scale * LOG2E) - (lse * LOG2E)[None, :])
+        p_t = tl.math.exp2(qk_t * (scale * LOG2E) - ((m + log_l) * LOG2E)[None, :])
     return p_t
 
 
 @triton.jit
 def _attention_train_bwd_dkdv_inner(
     dk, dv, ds_col_sum, k, v,
-    q_blk, do_blk, bias_blk, ds_blk, lse_ptr, delta_ptr,
+    q_blk, do_blk, bias_blk, ds_blk, stats_ptr, delta_ptr,
     q_offs, do_offs, bias_offs, ds_offs,
     stride_q_seq, stride_do_seq, stride_bias_q, stride_ds_q,
     lo, hi, offs_m, cols, col_ok, d_ok, seqlen_q, scale,
@@ -431,7 +441,7 @@ def _attention_train_bwd_dkdv_inner(
 ):
     """Query blocks [lo, hi) against this program's keys. `*_blk` are scalar pointers at query lo (bias
     and dS also at this program's first key), `*_offs` the int32 offsets of one block from there, and
-    `lse_ptr` / `delta_ptr` point at query 0 of this (batch, head). Scalar pointers plus one offset
+    `stats_ptr` / `delta_ptr` point at query 0 of this (batch, head). Scalar pointers plus one offset
     tile, rather than loop-carried tiles of 64-bit pointers, save registers (ptxas, sm_90).
 
     Tiles are transposed (keys x queries: s^T = k q^T, as in FA-2's backward): P^T and dS^T are then
@@ -442,16 +452,16 @@ def _attention_train_bwd_dkdv_inner(
         q = _load_rows(q_blk + q_offs, rows, seqlen_q, d_ok, CHECK_Q, PAD_D, LOAD_AS_FP32)
         do = _load_rows(do_blk + do_offs, rows, seqlen_q, d_ok, CHECK_Q, PAD_D, LOAD_AS_FP32)
         if CHECK_Q:
-            lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=0.0)
+            m = tl.load(stats_ptr + rows, mask=rows < seqlen_q, other=0.0)
+            log_l = tl.load(stats_ptr + seqlen_q + rows, mask=rows < seqlen_q, other=0.0)
             delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
         else:
-            lse = tl.load(lse_ptr + rows)
+            m = tl.load(stats_ptr + rows)
+            log_l = tl.load(stats_ptr + seqlen_q + rows)
             delta = tl.load(delta_ptr + rows)
-        # A row that sees no key has lse = -inf and every s = -inf: exp(s - 0) gives its P = 0.
-        lse = tl.where(lse == float("-inf"), 0.0, lse)
 
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = _recompute_p_t(qk_t, lse, bias_blk + bias_offs, rows, cols, col_ok, seqlen_q, scale,
+        p_t = _recompute_p_t(qk_t, m, log_l, bias_blk + bias_offs, rows, cols, col_ok, seqlen_q, scale,
                              CHECK_Q, APPLY_CAUSAL, HAS_BIAS, BIAS_BROADCAST_Q)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -483,7 +493,7 @@ def _attention_train_bwd_dkdv_kernel(
     dk_ptr, stride_dk_batch, stride_dk_head, stride_dk_seq,
     dv_ptr, stride_dv_batch, stride_dv_head, stride_dv_seq,
     ds_ptr, stride_ds_batch, stride_ds_head, stride_ds_q, stride_ds_k,
-    lse_ptr, delta_ptr,
+    stats_ptr, delta_ptr,
     nheads_kv, kv_group, seqlen_q, seqlen_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
@@ -550,7 +560,7 @@ def _attention_train_bwd_dkdv_kernel(
     for g in range(0, kv_group):
         off_h = off_h_kv * kv_group + g
         off_bh = off_b * nheads + off_h
-        lse_row_ptr = lse_ptr + off_bh * seqlen_q
+        stats_row_ptr = stats_ptr + off_bh * (2 * seqlen_q)
         delta_row_ptr = delta_ptr + off_bh * seqlen_q
         q_blk = q_ptr + off_b * stride_q_batch + off_h * stride_q_head + lo64 * stride_q_seq
         do_blk = do_ptr + off_b * stride_do_batch + off_h * stride_do_head + lo64 * stride_do_seq
@@ -571,7 +581,7 @@ def _attention_train_bwd_dkdv_kernel(
 
         if IS_CAUSAL:
             dk, dv, ds_col_sum = _attention_train_bwd_dkdv_inner(
-                dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, lse_row_ptr, delta_row_ptr,
+                dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, stats_row_ptr, delta_row_ptr,
                 q_offs, do_offs, bias_offs, ds_offs, stride_q_seq, stride_do_seq, stride_bias_q, stride_ds_q,
                 lo, diag_end, offs_m, cols, col_ok, d_ok, seqlen_q, scale,
                 BLOCK_M, PAD_D, True, True, HAS_BIAS, BIAS_BROADCAST_Q, STORE_DS, DS_SUM_Q,
@@ -583,7 +593,7 @@ def _attention_train_bwd_dkdv_kernel(
             bias_blk += step * stride_bias_q
             ds_blk += step * stride_ds_q
         dk, dv, ds_col_sum = _attention_train_bwd_dkdv_inner(
-            dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, lse_row_ptr, delta_row_ptr,
+            dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, stats_row_ptr, delta_row_ptr,
             q_offs, do_offs, bias_offs, ds_offs, stride_q_seq, stride_do_seq, stride_bias_q, stride_ds_q,
             diag_end, full_end, offs_m, cols, col_ok, d_ok, seqlen_q, scale,
             BLOCK_M, PAD_D, False, False, HAS_BIAS, BIAS_BROADCAST_Q, STORE_DS, DS_SUM_Q,
@@ -595,7 +605,7 @@ def _attention_train_bwd_dkdv_kernel(
         bias_blk += step * stride_bias_q
         ds_blk += step * stride_ds_q
         dk, dv, ds_col_sum = _attention_train_bwd_dkdv_inner(
-            dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, lse_row_ptr, delta_row_ptr,
+            dk, dv, ds_col_sum, k, v, q_blk, do_blk, bias_blk, ds_blk, stats_row_ptr, delta_row_ptr,
             q_offs, do_offs, bias_offs, ds_offs, stride_q_seq, stride_do_seq, stride_bias_q, stride_ds_q,
             full_end, q_end, offs_m, cols, col_ok, d_ok, seqlen_q, scale,
             BLOCK_M, PAD_D, True, False, HAS_BIAS, BIAS_BROADCAST_Q, STORE_DS, DS_SUM_Q,
@@ -616,12 +626,12 @@ def _attention_train_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _recompute_p(qk, lse, bias_ptrs, rows, cols, seqlen_q, seqlen_k, scale,
+def _recompute_p(qk, m, log_l, bias_ptrs, rows, cols, seqlen_q, seqlen_k, scale,
                  CHECK_K: tl.constexpr, APPLY_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BIAS_BROADCAST_Q: tl.constexpr):
-    """P = exp(s - lse) for one (BLOCK_M queries, BLOCK_N keys) tile of the dQ kernel; `lse` has -inf
-    replaced by 0. CHECK_K sets P = 0 for keys past seqlen_k: their k is 0, but their P would be
-    exp(-lse), which overflows for a row of very negative scores and makes 0 * inf = NaN in dS @ K.
+    """P = exp(s - m - log(l)) for one (BLOCK_M queries, BLOCK_N keys) tile of the dQ kernel (m = 0 for
+    rows that see no key). CHECK_K sets P = 0 for keys past seqlen_k: their k is 0, but their P would be
+    exp(-m - log(l)), which overflows for a row of very negative scores and makes 0 * inf = NaN in dS @ K.
     Rows past seqlen_q are never stored."""
     ELEMENT_MASKED: tl.constexpr = (HAS_BIAS or CHECK_K) or APPLY_CAUSAL  # no chained bool ops in older Triton
     if ELEMENT_MASKED:
@@ -632,15 +642,15 @@ def _recompute_p(qk, lse, bias_ptrs, rows, cols, seqlen_q, seqlen_k, scale,
             s = tl.where((cols < seqlen_k)[None, :], s, float("-inf"))
         if APPLY_CAUSAL:
             s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-        p = tl.exp(s - lse[:, None])
+        p = tl.exp((s - m[:, None]) - log_l[:, None])
     else:
-        p = tl.math.exp2(qk * (scale * LOG2E) - (lse * LOG2E)[:, None])
+        p = tl.math.exp2(qk * (scale * LOG2E) - ((m + log_l) * LOG2E)[:, None])
     return p
 
 
 @triton.jit
 def _attention_train_bwd_dq_inner(
-    dq, q, do, lse, delta,
+    dq, q, do, m, log_l, delta,
     k_blk, v_blk, bias_blk, k_offs, v_offs, bias_offs, stride_k_seq, stride_v_seq, stride_bias_k,
     lo, hi, rows, offs_n, d_ok, seqlen_q, seqlen_k, scale,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, CHECK_K: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
@@ -654,7 +664,7 @@ def _attention_train_bwd_dq_inner(
         k = _load_rows(k_blk + k_offs, cols, seqlen_k, d_ok, CHECK_K, PAD_D, LOAD_AS_FP32)
         v = _load_rows(v_blk + v_offs, cols, seqlen_k, d_ok, CHECK_K, PAD_D, LOAD_AS_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = _recompute_p(qk, lse, bias_blk + bias_offs, rows, cols, seqlen_q, seqlen_k, scale,
+        p = _recompute_p(qk, m, log_l, bias_blk + bias_offs, rows, cols, seqlen_q, seqlen_k, scale,
                          CHECK_K, APPLY_CAUSAL, HAS_BIAS, BIAS_BROADCAST_Q)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -673,7 +683,7 @@ def _attention_train_bwd_dq_kernel(
     bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_q, stride_bias_k,
     do_ptr, stride_do_batch, stride_do_head, stride_do_seq,
     dq_ptr, stride_dq_batch, stride_dq_head, stride_dq_seq,
-    lse_ptr, delta_ptr,
+    stats_ptr, delta_ptr,
     nheads, kv_group, seqlen_q, seqlen_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
@@ -711,8 +721,9 @@ def _attention_train_bwd_dq_kernel(
                    + offs_d[None, :], rows, seqlen_q, d_ok, True, PAD_D, LOAD_AS_FP32)
     do = _load_rows(do_ptr + off_b * stride_do_batch + off_h * stride_do_head + rows64[:, None] * stride_do_seq
                     + offs_d[None, :], rows, seqlen_q, d_ok, True, PAD_D, LOAD_AS_FP32)
-    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * seqlen_q + rows, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = exp(-inf - 0) = 0
+    stats_row = stats_ptr + pid_bh.to(tl.int64) * (2 * seqlen_q) + rows
+    m = tl.load(stats_row, mask=row_ok, other=0.0)
+    log_l = tl.load(stats_row + seqlen_q, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * seqlen_q + rows, mask=row_ok, other=0.0)
 
     hi = seqlen_k
@@ -733,13 +744,13 @@ def _attention_train_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _attention_train_bwd_dq_inner(
-        dq, q, do, lse, delta, k_blk, v_blk, bias_blk, k_offs, v_offs, bias_offs, stride_k_seq, stride_v_seq,
+        dq, q, do, m, log_l, delta, k_blk, v_blk, bias_blk, k_offs, v_offs, bias_offs, stride_k_seq, stride_v_seq,
         stride_bias_k, 0, mid, rows, offs_n, d_ok, seqlen_q, seqlen_k, scale,
         BLOCK_N, PAD_D, False, False, HAS_BIAS, BIAS_BROADCAST_Q, LOAD_AS_FP32, DOT_PRECISION,
     )
     mid64 = mid.to(tl.int64)
     dq = _attention_train_bwd_dq_inner(
-        dq, q, do, lse, delta, k_blk + mid64 * stride_k_seq, v_blk + mid64 * stride_v_seq,
+        dq, q, do, m, log_l, delta, k_blk + mid64 * stride_k_seq, v_blk + mid64 * stride_v_seq,
         bias_blk + mid64 * stride_bias_k, k_offs, v_offs, bias_offs, stride_k_seq, stride_v_seq,
         stride_bias_k, mid, hi, rows, offs_n, d_ok, seqlen_q, seqlen_k, scale,
         BLOCK_N, PAD_D, True, IS_CAUSAL, HAS_BIAS, BIAS_BROADCAST_Q, LOAD_AS_FP32, DOT_PRECISION,
@@ -818,13 +829,15 @@ def check_attention_train_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             raise ValueError(f"attention_train: {name} is on {t.device}, q on {q.device}")
 
 
-def attention_train_empty_out(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) as the forward allocates them: out (batch, nheads, seqlen_q, headdim) with the memory of
-    a contiguous (batch, seqlen_q, nheads, headdim), so that `out.transpose(1, 2).reshape(batch, seqlen_q, -1)`
-    is a free view; lse (batch, nheads, seqlen_q) fp32 contiguous."""
+def attention_train_empty_out(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, stats) as the forward allocates them: out (batch, nheads, seqlen_q, headdim) with the
+    memory of a contiguous (batch, seqlen_q, nheads, headdim), so that
+    `out.transpose(1, 2).reshape(batch, seqlen_q, -1)` is a free view; lse (batch, nheads, seqlen_q) and
+    stats (batch, nheads, 2, seqlen_q) fp32 contiguous."""
     batch, nheads, seqlen_q, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim)).transpose(1, 2)
-    return out, q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (out, q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            q.new_empty((batch, nheads, 2, seqlen_q), dtype=torch.float32))
 
 
 def attention_train_empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
@@ -881,15 +894,16 @@ def attention_train_fwd(
     is_causal: bool,
     *,
     blocks: Optional[tuple[int, int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) = (softmax(s) @ v, logsumexp(s)), s = scale * q @ k^T + bias (+ causal); see the module
-    docstring. Autotuned per (bucketed seqlens, head dim, flags, dtype); `blocks` pins (BLOCK_M, BLOCK_N)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, stats) = (softmax(s) @ v, logsumexp(s), the backward's row statistics), s = scale * q @ k^T
+    + bias (+ causal); see the module docstring. Autotuned per (bucketed seqlens, head dim, flags, dtype);
+    `blocks` pins (BLOCK_M, BLOCK_N)."""
     check_attention_train_args(q, k, v, bias, scale)
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
-    out, lse = attention_train_empty_out(q)
+    out, lse, stats = attention_train_empty_out(q)
     if out.numel() == 0:  # no query (seqlen_k == 0 runs: every row gets out 0, lse -inf)
-        return out, lse
+        return out, lse, stats
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if bias is not None:
         bias_strides = _bias_strides(bias, (batch, nheads, seqlen_q, seqlen_k))
@@ -901,14 +915,14 @@ def attention_train_fwd(
         v, v.stride(0), v.stride(1), v.stride(2),
         bias if bias is not None else q, *bias_strides,  # q: never read without HAS_BIAS
         out, out.stride(0), out.stride(1), out.stride(2),
-        lse,
+        lse, stats,
         nheads, nheads // nheads_kv, seqlen_q, seqlen_k, float(scale),
         _bucket(seqlen_q), _bucket(seqlen_k),
     )
     flags = _common_flags(q, bias, bias_strides, is_causal)
     grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)  # noqa: E731
     _launch(_attention_train_fwd_kernel_autotuned, _attention_train_fwd_kernel, grid, args, flags, blocks)
-    return out, lse
+    return out, lse, stats
 
 
 def attention_train_bwd(
@@ -918,7 +932,7 @@ def attention_train_bwd(
     v: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     scale: float,
     is_causal: bool,
     bias_needs_grad: bool,
@@ -927,7 +941,7 @@ def attention_train_bwd(
     blocks: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(dq, dk, dv, dbias or None) from dO = `do` (and dlse = the gradient of lse, if any), with the
-    forward's inputs, out and lse. dbias (bias's shape and dtype) only when bias_needs_grad.
+    forward's inputs, out and stats. dbias (bias's shape and dtype) only when bias_needs_grad.
     Deterministic: no atomics. `blocks` pins (BLOCK_M, BLOCK_N) of both main kernels."""
     check_attention_train_args(q, k, v, bias, scale)
     batch, nheads, seqlen_q, head_dim = q.shape
@@ -935,11 +949,12 @@ def attention_train_bwd(
     if tuple(do.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"attention_train_bwd: do {tuple(do.shape)} and out {tuple(out.shape)} must have q's shape "
                          f"{tuple(q.shape)}")
-    if tuple(lse.shape) != (batch, nheads, seqlen_q) or lse.dtype != torch.float32:
-        raise ValueError(f"attention_train_bwd: lse must be fp32 of shape {(batch, nheads, seqlen_q)}, "
-                         f"got {lse.dtype} {tuple(lse.shape)}")
-    if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
-        raise ValueError(f"attention_train_bwd: dlse shape {tuple(dlse.shape)} differs from lse's")
+    if tuple(stats.shape) != (batch, nheads, 2, seqlen_q) or stats.dtype != torch.float32:
+        raise ValueError(f"attention_train_bwd: stats must be fp32 of shape {(batch, nheads, 2, seqlen_q)} "
+                         f"(the forward's third output), got {stats.dtype} {tuple(stats.shape)}")
+    if dlse is not None and tuple(dlse.shape) != (batch, nheads, seqlen_q):
+        raise ValueError(f"attention_train_bwd: dlse shape {tuple(dlse.shape)} differs from lse's "
+                         f"{(batch, nheads, seqlen_q)}")
     bias_needs_grad = bool(bias_needs_grad) and bias is not None
     dq, dk, dv, dbias = attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
     if q.numel() == 0 or k.numel() == 0:
@@ -950,7 +965,7 @@ def attention_train_bwd(
 
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     do, out = _unit_last_stride(do), _unit_last_stride(out)
-    lse = lse.contiguous()
+    stats = stats.contiguous()
     target = (batch, nheads, seqlen_q, seqlen_k)
     if bias is not None:
         bias_strides = _bias_strides(bias, target)
@@ -998,7 +1013,7 @@ def attention_train_bwd(
         dk, dk.stride(0), dk.stride(1), dk.stride(2),
         dv, dv.stride(0), dv.stride(1), dv.stride(2),
         ds, *ds_strides,
-        lse, delta,
+        stats, delta,
         nheads_kv, nheads // nheads_kv, seqlen_q, seqlen_k, float(scale),
         _bucket(seqlen_q), _bucket(seqlen_k),
     )
@@ -1013,7 +1028,7 @@ def attention_train_bwd(
         bias if bias is not None else q, *bias_strides,
         do, do.stride(0), do.stride(1), do.stride(2),
         dq, dq.stride(0), dq.stride(1), dq.stride(2),
-        lse, delta,
+        stats, delta,
         nheads, nheads // nheads_kv, seqlen_q, seqlen_k, float(scale),
         _bucket(seqlen_q), _bucket(seqlen_k),
     )

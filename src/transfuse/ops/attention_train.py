@@ -2,8 +2,8 @@
 
     attention_train(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal) -> Tensor
     attention_train_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal)
-        -> (Tensor out, Tensor lse)
-    attention_train_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor out, Tensor lse,
+        -> (Tensor out, Tensor lse, Tensor stats)
+    attention_train_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor out, Tensor stats,
                         Tensor? grad_lse, float scale, bool is_causal, bool bias_needs_grad)
         -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)
 
@@ -11,11 +11,13 @@ Shapes, the bias forms, the causal alignment (top-left, as F.scaled_dot_product_
 numerics of fully masked rows are documented in transfuse.kernels.attention_train. No dropout.
 
 Why three ops: register_autograd's setup_context only sees an op's outputs, and the backward needs
-the log-sum-exp, so the op that carries the autograd formula, attention_train_fwd, returns
-(out, lse). attention_train, the op callers use, is CompositeImplicitAutograd: it is attention_train_fwd
-and drops lse, so autograd, fake tensors and torch.compile all go through attention_train_fwd (whose
-backward is the attention_train_bwd op: a graph node of its own under torch.compile too); being
-composite, it has no fake implementation of its own (torch refuses one). lse is differentiable as
+the softmax's row statistics, so the op that carries the autograd formula, attention_train_fwd, returns
+(out, lse, stats); stats (row maximum and log of the row sum, kept apart: see the kernel module) is not
+differentiable. attention_train, the op callers use, is CompositeImplicitAutograd: it is
+attention_train_fwd and drops lse and stats, so autograd, fake tensors and torch.compile all go
+through attention_train_fwd (whose backward is the attention_train_bwd op: a graph node of its own
+under torch.compile too); being composite, it has no fake implementation of its own (torch refuses
+one). lse is differentiable as
 well: its gradient folds into the backward's delta at no cost.
 
 attention_train_bwd returns an empty (0,) tensor in place of dbias unless bias_needs_grad (a schema
@@ -38,8 +40,9 @@ def attention_train_fwd(
     bias: Optional[torch.Tensor],
     scale: float,
     is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): out (batch, nheads, seqlen_q, headdim), lse (batch, nheads, seqlen_q) fp32."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, stats): out (batch, nheads, seqlen_q, headdim), lse (batch, nheads, seqlen_q) fp32,
+    stats (batch, nheads, 2, seqlen_q) fp32: what the backward reads."""
     return kernels.attention_train_fwd(q, k, v, bias, scale, is_causal)
 
 
@@ -57,7 +60,7 @@ def attention_train_bwd(
     v: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_lse: Optional[torch.Tensor],
     scale: float,
     is_causal: bool,
@@ -65,12 +68,12 @@ def attention_train_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty (0,) tensor unless bias_needs_grad and bias is given."""
     dq, dk, dv, dbias = kernels.attention_train_bwd(
-        grad_out, q, k, v, bias, out, lse, scale, is_causal, bias_needs_grad, dlse=grad_lse)
+        grad_out, q, k, v, bias, out, stats, scale, is_causal, bias_needs_grad, dlse=grad_lse)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
 
 
 @attention_train_bwd.register_fake
-def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, lse, grad_lse, scale, is_causal, bias_needs_grad):
+def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, stats, grad_lse, scale, is_causal, bias_needs_grad):
     kernels.check_attention_train_args(q, k, v, bias, scale)
     dq, dk, dv, dbias = kernels.attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
@@ -78,22 +81,23 @@ def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, lse, grad_lse, scale
 
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, scale, is_causal = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, bias, out, lse)
+    out, _, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(q, k, v, bias, out, stats)
     ctx.scale = scale
     ctx.is_causal = is_causal
     # An unused lse (the usual case) then arrives as None rather than a tensor of zeros to read.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, bias, out, lse = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_lse, _grad_stats):
+    q, k, v, bias, out, stats = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
     bias_needs_grad = bias is not None and needs[3]
     dq, dk, dv, dbias = torch.ops.transfuse.attention_train_bwd(
-        grad_out, q, k, v, bias, out, lse, grad_lse, ctx.scale, ctx.is_causal, bias_needs_grad)
+        grad_out, q, k, v, bias, out, stats, grad_lse, ctx.scale, ctx.is_causal, bias_needs_grad)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             dbias if bias_needs_grad else None, None, None)
 
