@@ -26,9 +26,12 @@ added in fp32 and rounded once.
 
 dx is written in one pass per row. dweight and dbias are sums over all rows: each program walks a
 contiguous group of rows in tiles of BLOCK_M, accumulates fp32 partial sums in registers and
-writes one partial row to an (n_programs, N) fp32 buffer, which torch sums afterwards (a second
-kernel over n_programs x N: about 1.6 MB at N = 768 on an H100, against 19 MB for the rows of
-an 8 x 512 x 768 fp16 batch).
+writes one partial row to an (n_programs, N) fp32 buffer (about 3 MB at N = 768 on an H100,
+against 12.6 MB for the rows of an 8 x 1024 x 768 bf16 batch). One second kernel sums the partial
+rows of dweight and dbias together and rounds each sum once to its parameter's dtype. torch's
+column sum took 8.7 us for each of the two (1056, 768) buffers in GPT-2 124M's training step
+(0.44 ms of a 20 ms step over 25 norms; H200, bench/profile_train_ops.py, 2026-11-26); the one
+launch takes 3.4 us.
 """
 
 import functools
@@ -265,6 +268,34 @@ def _rms_norm_bwd_kernel(
         tl.store(dweight_partial_ptr + pid * stride_partial_row + cols, dweight_acc, mask=col_mask)
 
 
+@triton.jit(do_not_specialize=["n_partials"])
+def _sum_partials_kernel(
+    partial_ptr, stride_partial_which, stride_partial_row,
+    out0_ptr, out1_ptr,
+    n_partials, n_cols,
+    BF16_RNE_BY_HAND: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out{which}[n] = sum over p of partial[which, p, n] in fp32, in p order, rounded once to the
+    output's dtype. Grid (column blocks, 1 or 2): axis 1 picks dweight or dbias."""
+    which = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    base = partial_ptr + which.to(tl.int64) * stride_partial_which
+    # A 2-D accumulator reduced once at the end: the loop's adds do not wait on each other.
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(base + rows[:, None] * stride_partial_row + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(out0_ptr + cols, _round_to(total, out0_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=col_mask)
+    else:
+        tl.store(out1_ptr + cols, _round_to(total, out1_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=col_mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers: check, allocate, pick the grid, launch.
 
@@ -301,16 +332,16 @@ def _row_views(tensors: list[torch.Tensor | None]):
 
 
 def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx,
-              compute_dweight, compute_dbias, config):
-    """Shared launcher body: returns (dx, dweight_fp32, dbias_fp32), None for what was not asked.
-    The fp32 sums are cast to the parameters' dtypes by the callers."""
+              compute_dweight, compute_dbias, config, dweight_dtype, dbias_dtype):
+    """Shared launcher body: returns (dx, dweight, dbias) with the sums in dweight_dtype and
+    dbias_dtype, None for what was not asked."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
     compute_dweight = compute_dweight and weight is not None
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else None
     if n_rows == 0 or n_cols == 0 or not (compute_dx or compute_dweight or compute_dbias):
-        zeros = torch.zeros(n_cols, dtype=torch.float32, device=x.device)
-        return dx, zeros if compute_dweight else None, zeros if compute_dbias else None
+        return (dx, torch.zeros(n_cols, dtype=dweight_dtype, device=x.device) if compute_dweight else None,
+                torch.zeros(n_cols, dtype=dbias_dtype, device=x.device) if compute_dbias else None)
     _check_runnable(x)
     if n_rows >= 2**31:
         raise ValueError(f"transfuse norm backward: {n_rows} rows do not fit the int32 row index")
@@ -320,10 +351,11 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
     # Whole tiles per program: only the last program's last tile is partial.
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, config.n_programs), config.BLOCK_M) * config.BLOCK_M
     n_programs = triton.cdiv(n_rows, rows_per_program)
-    dweight_partial = (torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
-                       if compute_dweight else None)
-    dbias_partial = (torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
-                     if compute_dbias else None)
+    # One buffer for both partial sums, so that one launch reduces them.
+    n_sums = int(compute_dweight) + int(compute_dbias)
+    partials = torch.empty((n_sums, n_programs, n_cols), dtype=torch.float32, device=x.device) if n_sums else None
+    dweight_partial = partials[0] if compute_dweight else None
+    dbias_partial = partials[n_sums - 1] if compute_dbias else None
     # Unused pointers get x: a valid address the kernel never dereferences (constexpr-guarded).
     pointers_and_strides = []
     for t, (stride_d0, stride_d1) in zip((dy, x, residual, dsum), strides, strict=True):
@@ -363,8 +395,20 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
                 CAST_BEFORE_WEIGHT=cast_before_weight,
                 **common,
             )
-    dweight = dweight_partial.sum(0) if dweight_partial is not None else None
-    dbias = dbias_partial.sum(0) if dbias_partial is not None else None
+        dweight = torch.empty(n_cols, dtype=dweight_dtype, device=x.device) if compute_dweight else None
+        dbias = torch.empty(n_cols, dtype=dbias_dtype, device=x.device) if compute_dbias else None
+        if n_sums:
+            outs = [t for t in (dweight, dbias) if t is not None]
+            # Narrow column blocks, many programs: 1056 x 768 partials (x2) in 3.4 us against 6.3 at
+            # 32 x 32 and 14.5 for torch's two sums (H200, bench/kernels/bench_norm_partials.py).
+            block_p, block_n, warps = (4, 16, 1) if INTERPRET else (32, 16, 8)
+            _sum_partials_kernel[(triton.cdiv(n_cols, block_n), n_sums)](
+                partials, partials.stride(0), partials.stride(1),
+                outs[0], outs[-1],
+                n_programs, n_cols,
+                BF16_RNE_BY_HAND=INTERPRET and torch.bfloat16 in (dweight_dtype, dbias_dtype),
+                BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps, num_stages=1,
+            )
     return dx, dweight, dbias
 
 
@@ -394,11 +438,8 @@ def layer_norm_bwd(
     check_layer_norm_args(x, weight, bias, residual)
     _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
-    dx, dweight, dbias = _norm_bwd("layer", dy, x, residual, dsum, weight, eps, 0.0, False, compute_dx,
-                                   compute_dweight, compute_dbias and bias is not None, config)
-    dweight = dweight.to(weight.dtype) if dweight is not None else None
-    dbias = dbias.to(bias.dtype) if dbias is not None else None
-    return dx, dweight, dbias
+    return _norm_bwd("layer", dy, x, residual, dsum, weight, eps, 0.0, False, compute_dx, compute_dweight,
+                     compute_dbias and bias is not None, config, _dtype_of(weight), _dtype_of(bias))
 
 
 def rms_norm_bwd(
@@ -423,6 +464,9 @@ def rms_norm_bwd(
     _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
     dx, dweight, _ = _norm_bwd("rms", dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight,
-                               compute_dx, compute_dweight, False, config)
-    dweight = dweight.to(weight.dtype) if dweight is not None else None
+                               compute_dx, compute_dweight, False, config, _dtype_of(weight), torch.float32)
     return dx, dweight
+
+
+def _dtype_of(param: torch.Tensor | None) -> torch.dtype:
+    return param.dtype if param is not None else torch.float32
