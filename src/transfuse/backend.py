@@ -131,6 +131,7 @@ class Backend:
             record.training_runtime = training_runtime
         if isinstance(runner, TrainingGraphs):
             runner.record = record  # told when the backward, compiled at its first call, turns graphs off
+            record.rewrites.update(runner.backward_rewrites)  # a backward compiled already
         self.records.append(record)
         self.graphs.append(gm)
         log.info("transfuse: %s", record.summary())

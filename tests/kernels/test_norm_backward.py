@@ -209,7 +209,7 @@ def test_layer_norm_backward_takes_a_half_gradient_of_an_fp32_input():
     weight, bias = _randn((40,), torch.float32), _randn((40,), torch.float32)
     got = layer_norm_bwd(dy, x, weight, bias, 1e-5)
     want = layer_norm_bwd(dy.float(), x, weight, bias, 1e-5)
-    for g, w in zip(got, want, strict=True):
+    for g, w in zip(got[:3], want[:3], strict=True):
         assert torch.equal(g, w)
 
 
@@ -274,12 +274,12 @@ def test_only_the_gradients_asked_for():
     ops.add_layer_norm(x, r, weight, bias, 1e-5, False)[0].backward(dy)
     torch.testing.assert_close(r.grad, full[1])
     # the launcher skips what it is not asked for
-    dx, dweight, dbias = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, compute_dx=False,
+    dx, dweight, dbias, *_ = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, compute_dx=False,
                                         compute_dbias=False)
     assert dx is None and dbias is None
     torch.testing.assert_close(dweight, full[2])
-    assert layer_norm_bwd(dy, x, None, None, 1e-5)[1:] == (None, None)
-    dx, dweight = rms_norm_bwd(dy, x, None, 1e-6, 0.0, True, compute_dweight=True)
+    assert layer_norm_bwd(dy, x, None, None, 1e-5)[1:] == (None, None, None, None)
+    dx, dweight, _ = rms_norm_bwd(dy, x, None, 1e-6, 0.0, True, compute_dweight=True)
     assert dweight is None and dx.shape == x.shape
 
 
@@ -311,22 +311,60 @@ def test_partial_sums_over_programs(n_programs, block_m):
     x, residual, dy, dsum = (torch.randn(37, 80) for _ in range(4))
     weight, bias = torch.randn(80), torch.randn(80)
     config = NormBwdConfig(BLOCK_N=128, BLOCK_M=block_m, num_warps=4, n_programs=n_programs)
-    dx, dweight, dbias = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, dsum=dsum, config=config)
+    dx, dweight, dbias, *_ = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, dsum=dsum, config=config)
     gold = _grads(lambda x, r, w, b: add_layer_norm_ref(x, r, w, b, 1e-5, True), [x, residual, weight, bias],
                   [dy, dsum])
     for got, want in zip((dx, dweight, dbias), (gold[0], gold[2], gold[3]), strict=True):
         torch.testing.assert_close(got, want)
-    dx, dweight = rms_norm_bwd(dy, x, weight, 1e-6, 1.0, False, config=config)
+    dx, dweight, dbias, dx_sum, _ = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, dsum=dsum,
+                                                compute_dbias=False, compute_dx_sum=True, config=config)
+    assert dbias is None
+    torch.testing.assert_close(dx_sum, gold[0].sum(0))
+    torch.testing.assert_close(dweight, gold[2])
+    dx, dweight, _ = rms_norm_bwd(dy, x, weight, 1e-6, 1.0, False, config=config)
     gold = _grads(lambda x, w: rms_norm_ref(x, w, 1e-6, 1.0, False), [x, weight], [dy])
     torch.testing.assert_close(dx, gold[0])
     torch.testing.assert_close(dweight, gold[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dx_sum_is_the_sum_of_the_stored_dx(dtype):
+    """compute_dx_sum: the column sums of dx as written in its dtype (fp32 accumulation, rounded once),
+    what torch's sum over the rows of the dx tensor gives; weight and bias sums in their fp32."""
+    x, dy = _randn((3, 13, 48), dtype), _randn((3, 13, 48), dtype)
+    weight, bias = _randn((48,), torch.float32), _randn((48,), torch.float32)
+    config = NormBwdConfig(BLOCK_N=64, BLOCK_M=2, num_warps=4, n_programs=5)
+    dx, dweight, dbias, dx_sum, _ = layer_norm_bwd(dy, x, weight, bias, 1e-5, compute_dx_sum=True, config=config)
+    assert dx_sum.dtype == dtype and dweight.dtype == bias.dtype == torch.float32
+    assert torch.equal(dx_sum, dx.float().sum((0, 1)).to(dtype))
+    plain = layer_norm_bwd(dy, x, weight, bias, 1e-5, config=config)
+    for got, want in zip((dx, dweight, dbias), plain[:3], strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="needs compute_dx"):
+        layer_norm_bwd(dy, x, weight, bias, 1e-5, compute_dx=False, compute_dx_sum=True)
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+def test_dx_cast_is_dx_rounded_and_what_dx_sum_sums(cast):
+    """dx_cast: an fp32 residual stream with a bf16 projection added (autocast) gets dx.to(bf16) for
+    the projection from the same pass, bit for bit; compute_dx_sum then sums that tensor."""
+    x, residual, dy = _randn((2, 11, 40), torch.float32), _randn((2, 11, 40), torch.float32), _randn((2, 11, 40), cast)
+    weight, bias = _randn((40,), torch.float32), _randn((40,), torch.float32)
+    config = NormBwdConfig(BLOCK_N=64, BLOCK_M=2, num_warps=4, n_programs=3)
+    dx, dweight, dbias, dx_sum, dx2 = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual,
+                                                     compute_dx_sum=True, dx_cast=cast, config=config)
+    assert dx.dtype == torch.float32 and torch.equal(dx2, dx.to(cast))
+    assert dx_sum.dtype == cast and torch.equal(dx_sum, dx2.float().sum((0, 1)).to(cast))
+    rdx, rdweight, rdx2 = rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True, residual=residual, dx_cast=cast, config=config)
+    assert torch.equal(rdx2, rdx.to(cast))
+    assert rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True)[2] is None
 
 
 def test_long_rows_one_per_tile():
     # N = 1100: BLOCK_N = 2048, one row per tile, the path of real hidden sizes
     assert norm_bwd_config(3, 1100, 4).BLOCK_M == 1
     x, dy, weight = torch.randn(3, 1100), torch.randn(3, 1100), torch.randn(1100)
-    dx, dweight = rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True)
+    dx, dweight, _ = rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True)
     gold = _grads(lambda x, w: rms_norm_ref(x, w, 1e-6, 0.0, True), [x, weight], [dy])
     torch.testing.assert_close(dx, gold[0])
     torch.testing.assert_close(dweight, gold[1])
@@ -343,7 +381,7 @@ def test_config():
 def test_empty_rows():
     x = torch.randn(0, 4, 64, dtype=torch.float16)
     weight = torch.randn(64, dtype=torch.float16)
-    dx, dweight, dbias = layer_norm_bwd(x, x, weight, weight, 1e-5)
+    dx, dweight, dbias, *_ = layer_norm_bwd(x, x, weight, weight, 1e-5)
     assert dx.shape == x.shape and torch.equal(dweight, torch.zeros_like(weight)) and dbias.dtype == weight.dtype
 
 
@@ -396,6 +434,10 @@ def test_opcheck_backward_ops():
     xh = x.half()
     torch.library.opcheck(ops.layer_norm_backward.default, (dy, x, residual, dy, w, b.float(), 1e-5, True, True, True))
     torch.library.opcheck(ops.layer_norm_backward.default, (dy.half(), xh, None, None, w, b, 1e-5, False, True, True))
+    torch.library.opcheck(ops.layer_norm_backward.default, (dy, x, residual, dy, w, b.float(), 1e-5, True, False, True, True))
+    torch.library.opcheck(ops.layer_norm_backward.default,
+                          (dy, x, residual, dy, w, b.float(), 1e-5, True, True, True, True, torch.bfloat16))
+    torch.library.opcheck(ops.rms_norm_backward.default, (dy, x, x, None, w, 1e-6, 0.0, True, True, True, torch.float16))
     torch.library.opcheck(ops.rms_norm_backward.default, (dy.half(), xh, xh, None, b, 1e-6, 1.0, True, True, False))
     torch.library.opcheck(ops.rms_norm_backward.default, (dy, x, None, None, None, 1e-6, 0.0, False, True, True))
 

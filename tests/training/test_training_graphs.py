@@ -126,6 +126,8 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     assert "training graphs: 1 " in report and "run as AOTAutograd forward + backward graphs, no CUDA graphs: " \
         "not on a GPU: 1" in report, report
     assert _rewrites(model)["LinearEpilogue"] == 2
+    # the output projections' bias gradients, summed in the LayerNorm backward kernels (2 blocks)
+    assert _rewrites(model)["BiasGradInNormBackward"] == {"nanogpt": 4, "gpt2": 4, "llama": 0}[family]
 
 
 def test_dropout_draws_the_same_masks_as_eager():

@@ -129,8 +129,8 @@ def _layer_norm_bwd_kernel(
     residual_ptr, stride_residual_d0, stride_residual_d1,
     dsum_ptr, stride_dsum_d0, stride_dsum_d1,
     weight_ptr,
-    dx_ptr, stride_dx_row,
-    dweight_partial_ptr, dbias_partial_ptr, stride_partial_row,
+    dx_ptr, dx_cast_ptr, stride_dx_row,
+    dweight_partial_ptr, dbias_partial_ptr, dx_sum_partial_ptr, stride_partial_row,
     n_rows, size_d1, n_cols, rows_per_program, eps,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -140,6 +140,8 @@ def _layer_norm_bwd_kernel(
     STORE_DX: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
+    STORE_DX_SUM: tl.constexpr,
+    STORE_DX_CAST: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
 ):
     # Row r of the (n_rows, n_cols) view is t[r // size_d1, r % size_d1, :] of each input t seen as
@@ -153,6 +155,7 @@ def _layer_norm_bwd_kernel(
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dweight_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dbias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dx_sum_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for tile_start in range(row_start, row_end, BLOCK_M):
         rows = tile_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
@@ -190,10 +193,20 @@ def _layer_norm_bwd_kernel(
                 dx += tl.load(dsum_ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = _round_to(dx, dx_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
             tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx, mask=mask)
+            if STORE_DX_CAST:
+                # dx.to(dtype) as eager's autocast backward casts it for a narrower residual
+                dx = _round_to(dx.to(tl.float32), dx_cast_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
+                tl.store(dx_cast_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx, mask=mask)
+            if STORE_DX_SUM:
+                # The column sums of the dx tensor summed (the cast one if any) as stored, as torch's
+                # sum reads it; masked elements hold -mean_g * rstd, not 0.
+                dx_sum_acc += tl.sum(tl.where(mask, dx.to(tl.float32), 0.0), axis=0)
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * stride_partial_row + cols, dweight_acc, mask=col_mask)
     if STORE_DBIAS:
         tl.store(dbias_partial_ptr + pid * stride_partial_row + cols, dbias_acc, mask=col_mask)
+    if STORE_DX_SUM:
+        tl.store(dx_sum_partial_ptr + pid * stride_partial_row + cols, dx_sum_acc, mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "size_d1", "rows_per_program"])  # change with every input shape
@@ -203,7 +216,7 @@ def _rms_norm_bwd_kernel(
     residual_ptr, stride_residual_d0, stride_residual_d1,
     dsum_ptr, stride_dsum_d0, stride_dsum_d1,
     weight_ptr,
-    dx_ptr, stride_dx_row,
+    dx_ptr, dx_cast_ptr, stride_dx_row,
     dweight_partial_ptr, stride_partial_row,
     n_rows, size_d1, n_cols, rows_per_program, eps, weight_offset,
     BLOCK_N: tl.constexpr,
@@ -214,6 +227,7 @@ def _rms_norm_bwd_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     STORE_DX: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
+    STORE_DX_CAST: tl.constexpr,
     BF16_RNE_BY_HAND: tl.constexpr,
 ):
     # Row addressing as in _layer_norm_bwd_kernel.
@@ -264,6 +278,9 @@ def _rms_norm_bwd_kernel(
                 dx += tl.load(dsum_ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = _round_to(dx, dx_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
             tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx, mask=mask)
+            if STORE_DX_CAST:
+                dx = _round_to(dx.to(tl.float32), dx_cast_ptr.dtype.element_ty, BF16_RNE_BY_HAND)
+                tl.store(dx_cast_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx, mask=mask)
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * stride_partial_row + cols, dweight_acc, mask=col_mask)
 
@@ -271,14 +288,14 @@ def _rms_norm_bwd_kernel(
 @triton.jit(do_not_specialize=["n_partials"])
 def _sum_partials_kernel(
     partial_ptr, stride_partial_which, stride_partial_row,
-    out0_ptr, out1_ptr,
+    out0_ptr, out1_ptr, out2_ptr,
     n_partials, n_cols,
     BF16_RNE_BY_HAND: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """out{which}[n] = sum over p of partial[which, p, n] in fp32, in p order, rounded once to the
-    output's dtype. Grid (column blocks, 1 or 2): axis 1 picks dweight or dbias."""
+    output's dtype. Grid (column blocks, 1 to 3): axis 1 picks the sum (dweight, dbias, dx's)."""
     which = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -292,8 +309,10 @@ def _sum_partials_kernel(
     total = tl.sum(acc, axis=0)
     if which == 0:
         tl.store(out0_ptr + cols, _round_to(total, out0_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=col_mask)
-    else:
+    elif which == 1:
         tl.store(out1_ptr + cols, _round_to(total, out1_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=col_mask)
+    else:
+        tl.store(out2_ptr + cols, _round_to(total, out2_ptr.dtype.element_ty, BF16_RNE_BY_HAND), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,16 +351,25 @@ def _row_views(tensors: list[torch.Tensor | None]):
 
 
 def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx,
-              compute_dweight, compute_dbias, config, dweight_dtype, dbias_dtype):
-    """Shared launcher body: returns (dx, dweight, dbias) with the sums in dweight_dtype and
-    dbias_dtype, None for what was not asked."""
+              compute_dweight, compute_dbias, config, dweight_dtype, dbias_dtype, compute_dx_sum=False,
+              dx_cast=None):
+    """Shared launcher body: returns (dx, dweight, dbias, dx_sum, dx_cast) with the sums in
+    dweight_dtype, dbias_dtype and dx_sum in dx_cast's dtype (x's without one), None for what was
+    not asked; dx_cast: dx in the dtype `dx_cast` names, also written by the kernel."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
     compute_dweight = compute_dweight and weight is not None
+    if compute_dx_sum and not (compute_dx and kind == "layer"):
+        raise ValueError("transfuse norm backward: the column sum of dx needs compute_dx (layer norm only)")
+    if dx_cast is not None and not compute_dx:
+        raise ValueError("transfuse norm backward: dx_cast needs compute_dx")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else None
+    dx2 = torch.empty(x.shape, dtype=dx_cast, device=x.device) if dx_cast is not None else None
     if n_rows == 0 or n_cols == 0 or not (compute_dx or compute_dweight or compute_dbias):
-        return (dx, torch.zeros(n_cols, dtype=dweight_dtype, device=x.device) if compute_dweight else None,
-                torch.zeros(n_cols, dtype=dbias_dtype, device=x.device) if compute_dbias else None)
+        zeros = [torch.zeros(n_cols, dtype=dt, device=x.device) if asked else None
+                 for asked, dt in ((compute_dweight, dweight_dtype), (compute_dbias, dbias_dtype),
+                                   (compute_dx_sum, dx_cast or x.dtype))]
+        return (dx, *zeros, dx2)
     _check_runnable(x)
     if n_rows >= 2**31:
         raise ValueError(f"transfuse norm backward: {n_rows} rows do not fit the int32 row index")
@@ -351,11 +379,12 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
     # Whole tiles per program: only the last program's last tile is partial.
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, config.n_programs), config.BLOCK_M) * config.BLOCK_M
     n_programs = triton.cdiv(n_rows, rows_per_program)
-    # One buffer for both partial sums, so that one launch reduces them.
-    n_sums = int(compute_dweight) + int(compute_dbias)
+    # One buffer for every partial sum, so that one launch reduces them all.
+    asked = [compute_dweight, compute_dbias, compute_dx_sum]
+    n_sums = sum(asked)
     partials = torch.empty((n_sums, n_programs, n_cols), dtype=torch.float32, device=x.device) if n_sums else None
-    dweight_partial = partials[0] if compute_dweight else None
-    dbias_partial = partials[n_sums - 1] if compute_dbias else None
+    slots = iter(range(n_sums))
+    dweight_partial, dbias_partial, dx_sum_partial = (partials[next(slots)] if a else None for a in asked)
     # Unused pointers get x: a valid address the kernel never dereferences (constexpr-guarded).
     pointers_and_strides = []
     for t, (stride_d0, stride_d1) in zip((dy, x, residual, dsum), strides, strict=True):
@@ -368,48 +397,50 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
         "HAS_WEIGHT": weight is not None,
         "STORE_DX": compute_dx,
         "STORE_DWEIGHT": compute_dweight,
-        "BF16_RNE_BY_HAND": INTERPRET and x.dtype == torch.bfloat16,
+        "BF16_RNE_BY_HAND": INTERPRET and torch.bfloat16 in (x.dtype, dx_cast),
         "num_warps": config.num_warps,
     }
     weight_arg = weight if weight is not None else x
     dx_arg = dx if dx is not None else x
+    dx_cast_arg = dx2 if dx2 is not None else dx_arg
     dweight_arg = dweight_partial if dweight_partial is not None else x
     with _device_guard(x):
         if kind == "layer":
             _layer_norm_bwd_kernel[(n_programs,)](
                 *pointers_and_strides,
                 weight_arg,
-                dx_arg, n_cols,
-                dweight_arg, dbias_partial if dbias_partial is not None else x, n_cols,
+                dx_arg, dx_cast_arg, n_cols,
+                dweight_arg, dbias_partial if dbias_partial is not None else x,
+                dx_sum_partial if dx_sum_partial is not None else x, n_cols,
                 n_rows, size_d1, n_cols, rows_per_program, eps,
-                STORE_DBIAS=compute_dbias,
+                STORE_DBIAS=compute_dbias, STORE_DX_SUM=compute_dx_sum, STORE_DX_CAST=dx2 is not None,
                 **common,
             )
         else:
             _rms_norm_bwd_kernel[(n_programs,)](
                 *pointers_and_strides,
                 weight_arg,
-                dx_arg, n_cols,
+                dx_arg, dx_cast_arg, n_cols,
                 dweight_arg, n_cols,
                 n_rows, size_d1, n_cols, rows_per_program, eps, weight_offset,
-                CAST_BEFORE_WEIGHT=cast_before_weight,
+                CAST_BEFORE_WEIGHT=cast_before_weight, STORE_DX_CAST=dx2 is not None,
                 **common,
             )
-        dweight = torch.empty(n_cols, dtype=dweight_dtype, device=x.device) if compute_dweight else None
-        dbias = torch.empty(n_cols, dtype=dbias_dtype, device=x.device) if compute_dbias else None
+        dweight, dbias, dx_sum = (torch.empty(n_cols, dtype=dt, device=x.device) if a else None
+                                  for a, dt in zip(asked, (dweight_dtype, dbias_dtype, dx_cast or x.dtype)))
         if n_sums:
-            outs = [t for t in (dweight, dbias) if t is not None]
+            outs = [t for t in (dweight, dbias, dx_sum) if t is not None]
             # Narrow column blocks, many programs: 1056 x 768 partials (x2) in 3.4 us against 6.3 at
             # 32 x 32 and 14.5 for torch's two sums (H200, bench/kernels/bench_norm_partials.py).
             block_p, block_n, warps = (4, 16, 1) if INTERPRET else (32, 16, 8)
             _sum_partials_kernel[(triton.cdiv(n_cols, block_n), n_sums)](
                 partials, partials.stride(0), partials.stride(1),
-                outs[0], outs[-1],
+                outs[0], outs[min(1, n_sums - 1)], outs[-1],
                 n_programs, n_cols,
-                BF16_RNE_BY_HAND=INTERPRET and torch.bfloat16 in (dweight_dtype, dbias_dtype),
+                BF16_RNE_BY_HAND=INTERPRET and any(t.dtype == torch.bfloat16 for t in outs),
                 BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps, num_stages=1,
             )
-    return dx, dweight, dbias
+    return dx, dweight, dbias, dx_sum, dx2
 
 
 def layer_norm_bwd(
@@ -424,22 +455,29 @@ def layer_norm_bwd(
     compute_dx: bool = True,
     compute_dweight: bool = True,
     compute_dbias: bool = True,
+    compute_dx_sum: bool = False,
+    dx_cast: torch.dtype | None = None,
     config: NormBwdConfig | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, ...]:
     """Gradients of layer_norm_fwd(x, weight, bias, eps), or with residual of
     add_layer_norm_fwd(x, residual, weight, bias, eps, ...), given dy: (..., N) the gradient of
     the output (in the output's dtype, which may differ from x's: out_dtype) and dsum that of the sum output (None when the sum was not returned or has no
     gradient), which is added to dx. Where the forward stored the sum s, pass x=s and no residual:
     s is the row the forward normalised, and one tensor is read instead of two.
 
-    Returns (dx, dweight, dbias): dx contiguous in x's dtype (with a residual it is also
-    dresidual), dweight and dbias (N,) in their parameters' dtypes; None for what was not asked
-    for or has no parameter. bias is read only for its dtype."""
+    Returns (dx, dweight, dbias, dx_sum, dx_cast): dx contiguous in x's dtype (with a residual it is
+    also dresidual), dweight and dbias (N,) in their parameters' dtypes; None for what was not asked
+    for or has no parameter. bias is read only for its dtype. dx_cast (a dtype; needs compute_dx):
+    dx.to(dx_cast) written in the same pass, the gradient of a residual narrower than x (autocast's
+    bf16 projection added to an fp32 residual stream). compute_dx_sum (needs compute_dx): dx_sum is
+    that tensor (dx_cast's, or dx) summed over its rows, (N,) in its dtype: the bias gradient of a
+    linear whose output the norm's residual add took (the backward graph's column sum of dx)."""
     check_layer_norm_args(x, weight, bias, residual)
     _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
     return _norm_bwd("layer", dy, x, residual, dsum, weight, eps, 0.0, False, compute_dx, compute_dweight,
-                     compute_dbias and bias is not None, config, _dtype_of(weight), _dtype_of(bias))
+                     compute_dbias and bias is not None, config, _dtype_of(weight), _dtype_of(bias),
+                     compute_dx_sum, dx_cast)
 
 
 def rms_norm_bwd(
@@ -454,18 +492,20 @@ def rms_norm_bwd(
     dsum: torch.Tensor | None = None,
     compute_dx: bool = True,
     compute_dweight: bool = True,
+    dx_cast: torch.dtype | None = None,
     config: NormBwdConfig | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of rms_norm_fwd(x, weight, eps, weight_offset, cast_before_weight), or with
-    residual of add_rms_norm_fwd, given dy and dsum as in layer_norm_bwd. Returns (dx, dweight):
-    dx contiguous in x's dtype (also dresidual), dweight (N,) in weight's dtype; None for what was
-    not asked for or has no parameter."""
+    residual of add_rms_norm_fwd, given dy and dsum as in layer_norm_bwd. Returns (dx, dweight,
+    dx_cast): dx contiguous in x's dtype (also dresidual), dweight (N,) in weight's dtype, dx_cast
+    as in layer_norm_bwd; None for what was not asked for or has no parameter."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
-    dx, dweight, _ = _norm_bwd("rms", dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight,
-                               compute_dx, compute_dweight, False, config, _dtype_of(weight), torch.float32)
-    return dx, dweight
+    dx, dweight, _, _, dx2 = _norm_bwd("rms", dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight,
+                                       compute_dx, compute_dweight, False, config, _dtype_of(weight), torch.float32,
+                                       dx_cast=dx_cast)
+    return dx, dweight, dx2
 
 
 def _dtype_of(param: torch.Tensor | None) -> torch.dtype:

@@ -141,23 +141,32 @@ def layer_norm_backward(
     compute_dx: bool,
     compute_dweight: bool,
     compute_dbias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias) of layer_norm(x) (add_layer_norm with a residual) given dy and the sum
-    output's gradient dsum; see kernels.norm_backward.layer_norm_bwd."""
-    dx, dweight, dbias = bwd_kernels.layer_norm_bwd(
+    compute_dx_sum: bool = False,
+    dx_cast: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias, dx_sum, dx_cast) of layer_norm(x) (add_layer_norm with a residual) given
+    dy and the sum output's gradient dsum. dx_cast: dx.to(dx_cast) from the same pass, the gradient
+    of a narrower residual. dx_sum (that tensor, or dx, summed over its rows) only when
+    compute_dx_sum: passes/backward_bias_grad.py asks for it where the backward graph sums it for a
+    linear's bias. See kernels.norm_backward.layer_norm_bwd."""
+    dx, dweight, dbias, dx_sum, dx2 = bwd_kernels.layer_norm_bwd(
         dy, x, weight, bias, eps, residual=residual, dsum=dsum, compute_dx=compute_dx,
-        compute_dweight=compute_dweight, compute_dbias=compute_dbias)
-    return _or_empty(dx, x), _or_empty(dweight, x), _or_empty(dbias, x)
+        compute_dweight=compute_dweight, compute_dbias=compute_dbias, compute_dx_sum=compute_dx_sum,
+        dx_cast=dx_cast)
+    return tuple(_or_empty(t, x) for t in (dx, dweight, dbias, dx_sum, dx2))
 
 
 @layer_norm_backward.register_fake
-def _(dy, x, residual, dsum, weight, bias, eps, compute_dx, compute_dweight, compute_dbias):
+def _(dy, x, residual, dsum, weight, bias, eps, compute_dx, compute_dweight, compute_dbias, compute_dx_sum=False,
+      dx_cast=None):
     kernels.check_layer_norm_args(x, weight, bias, residual)
     n = x.shape[-1]
     dx = x.new_empty(x.shape if compute_dx else (0,))
     dweight = weight.new_empty((n,)) if compute_dweight and weight is not None else x.new_empty((0,))
     dbias = bias.new_empty((n,)) if compute_dbias and bias is not None else x.new_empty((0,))
-    return dx, dweight, dbias
+    dx_sum = x.new_empty((n,) if compute_dx_sum else (0,), dtype=dx_cast or x.dtype)
+    dx2 = x.new_empty(x.shape, dtype=dx_cast) if dx_cast is not None else x.new_empty((0,))
+    return dx, dweight, dbias, dx_sum, dx2
 
 
 @torch.library.custom_op("transfuse::rms_norm_backward", mutates_args=())
@@ -172,21 +181,24 @@ def rms_norm_backward(
     cast_before_weight: bool,
     compute_dx: bool,
     compute_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) of rms_norm(x) (add_rms_norm with a residual) given dy and the sum output's
-    gradient dsum; see kernels.norm_backward.rms_norm_bwd."""
-    dx, dweight = bwd_kernels.rms_norm_bwd(
+    dx_cast: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dx_cast) of rms_norm(x) (add_rms_norm with a residual) given dy and the sum
+    output's gradient dsum, dx_cast as in layer_norm_backward; see kernels.norm_backward.rms_norm_bwd."""
+    dx, dweight, dx2 = bwd_kernels.rms_norm_bwd(
         dy, x, weight, eps, weight_offset, cast_before_weight, residual=residual, dsum=dsum,
-        compute_dx=compute_dx, compute_dweight=compute_dweight)
-    return _or_empty(dx, x), _or_empty(dweight, x)
+        compute_dx=compute_dx, compute_dweight=compute_dweight, dx_cast=dx_cast)
+    return _or_empty(dx, x), _or_empty(dweight, x), _or_empty(dx2, x)
 
 
 @rms_norm_backward.register_fake
-def _(dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx, compute_dweight):
+def _(dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx, compute_dweight,
+      dx_cast=None):
     kernels.check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     dx = x.new_empty(x.shape if compute_dx else (0,))
     dweight = weight.new_empty((x.shape[-1],)) if compute_dweight and weight is not None else x.new_empty((0,))
-    return dx, dweight
+    dx2 = x.new_empty(x.shape, dtype=dx_cast) if dx_cast is not None else x.new_empty((0,))
+    return dx, dweight, dx2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +237,7 @@ def _layer_norm_setup_context(ctx, inputs, output):
 def _layer_norm_backward(ctx, dout):
     x, _, weight, bias = ctx.saved_tensors
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-    dx, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
+    dx, dweight, dbias, _, _ = torch.ops.transfuse.layer_norm_backward(
         _output_grad(dout, x), x, None, None, weight, bias, ctx.eps, need_x, need_weight, need_bias)
     return _needed(dx, need_x), _needed(dweight, need_weight), _needed(dbias, need_bias), None, None
 
@@ -242,14 +254,21 @@ def _add_layer_norm_backward(ctx, dout, dsum):
     need_x, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
     # without store_sum the second output is an empty stand-in: its gradient means nothing
     dsum = dsum if ctx.store_sum else None
-    ds, dweight, dbias = torch.ops.transfuse.layer_norm_backward(
-        _output_grad(dout, rows), rows, residual, dsum, weight, bias, ctx.eps, need_x or need_residual,
-        need_weight, need_bias)
     # d(x + residual)/dx = d(x + residual)/dresidual = 1: both get ds, the residual's in its own
-    # dtype (a narrower residual was promoted in the forward; eager's add casts its gradient back)
-    dresidual = ds.to(ctx.residual_dtype) if need_residual else None
+    # dtype (a narrower residual was promoted in the forward; eager's add casts its gradient back),
+    # written by the same kernel rather than a copy of ds
+    cast = _residual_cast(ctx, rows, need_residual)
+    ds, dweight, dbias, _, ds_cast = torch.ops.transfuse.layer_norm_backward(
+        _output_grad(dout, rows), rows, residual, dsum, weight, bias, ctx.eps, need_x or need_residual,
+        need_weight, need_bias, False, cast)
+    dresidual = (ds_cast if cast is not None else ds) if need_residual else None
     return (_needed(ds, need_x), dresidual, _needed(dweight, need_weight),
             _needed(dbias, need_bias), None, None, None)
+
+
+def _residual_cast(ctx, rows: torch.Tensor, need_residual: bool) -> Optional[torch.dtype]:
+    """The dtype the residual's gradient is cast to in the norm backward kernel, or None (no cast)."""
+    return ctx.residual_dtype if need_residual and ctx.residual_dtype != rows.dtype else None
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
@@ -261,7 +280,7 @@ def _rms_norm_setup_context(ctx, inputs, output):
 def _rms_norm_backward(ctx, dout):
     x, _, weight, _ = ctx.saved_tensors
     need_x, need_weight = ctx.needs_input_grad[:2]
-    dx, dweight = torch.ops.transfuse.rms_norm_backward(
+    dx, dweight, _ = torch.ops.transfuse.rms_norm_backward(
         _output_grad(dout, x), x, None, None, weight, *ctx.args, need_x, need_weight)
     return _needed(dx, need_x), _needed(dweight, need_weight), None, None, None, None
 
@@ -277,10 +296,11 @@ def _add_rms_norm_backward(ctx, dout, dsum):
     rows, residual, weight, _ = ctx.saved_tensors
     need_x, need_residual, need_weight = ctx.needs_input_grad[:3]
     dsum = dsum if ctx.store_sum else None
-    ds, dweight = torch.ops.transfuse.rms_norm_backward(
+    cast = _residual_cast(ctx, rows, need_residual)  # as in _add_layer_norm_backward
+    ds, dweight, ds_cast = torch.ops.transfuse.rms_norm_backward(
         _output_grad(dout, rows), rows, residual, dsum, weight, *ctx.args, need_x or need_residual,
-        need_weight)
-    dresidual = ds.to(ctx.residual_dtype) if need_residual else None  # as in _add_layer_norm_backward
+        need_weight, cast)
+    dresidual = (ds_cast if cast is not None else ds) if need_residual else None
     return _needed(ds, need_x), dresidual, _needed(dweight, need_weight), None, None, None, None, None
 
 

@@ -63,6 +63,7 @@ class TrainingGraphs:
         self.cuda_graphs = cuda_graphs
         self.skipped: str | None = None if cuda_graphs else why_not  # why CUDA graphs are off, when they are
         self.record = None  # the report's GraphRecord, told when the backward turns graphs off
+        self.backward_rewrites: dict[str, int] = {}  # the backward graph's own pass, for the report
         self.params: list = []
         self.pooled_ptrs: set[int] = set()  # storages of the backward's outputs since the last forward
         self.pool_owner = None  # weak reference to the tree manager whose pool holds them
@@ -72,7 +73,8 @@ class TrainingGraphs:
         else:
             fw = bw = _plain
         inference = functools.partial(fw, is_inference=True) if cuda_graphs else fw
-        compiler = aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference)
+        compiler = aot_autograd(fw_compiler=fw, bw_compiler=functools.partial(self._rewrite_backward, bw),
+                                inference_compiler=inference)
         self.fn = compiler(gm, example_inputs)
 
     def describe(self) -> str:
@@ -88,6 +90,17 @@ class TrainingGraphs:
         return self.fn(*args)
 
     # -- compilers handed to AOTAutograd ------------------------------------------------------
+
+    def _rewrite_backward(self, compile_backward: Callable, gm: torch.fx.GraphModule, inputs: list):
+        """The backward graph's own pass (passes/backward_bias_grad.py), counted in the report."""
+        from transfuse.passes import backward_bias_grad
+
+        count = backward_bias_grad.run(gm)
+        if count:
+            self.backward_rewrites[backward_bias_grad.PATTERN] = count
+            if self.record is not None:  # None when AOTAutograd compiles the backward at once
+                self.record.rewrites.update(self.backward_rewrites)
+        return compile_backward(gm, inputs)
 
     def _skip(self, reason: str) -> None:
         self.skipped = reason.strip().splitlines()[0][:200]
