@@ -355,6 +355,10 @@ def test_dx_cast_is_dx_rounded_and_what_dx_sum_sums(cast):
                                                      compute_dx_sum=True, dx_cast=cast, config=config)
     assert dx.dtype == torch.float32 and torch.equal(dx2, dx.to(cast))
     assert dx_sum.dtype == cast and torch.equal(dx_sum, dx2.float().sum((0, 1)).to(cast))
+    # CUDA autocast's graph sums the bf16 gradient straight into the fp32 bias: dtype=float32
+    dx_sum32 = layer_norm_bwd(dy, x, weight, bias, 1e-5, residual=residual, compute_dx_sum=True, dx_cast=cast,
+                              dx_sum_dtype=torch.float32, config=config)[3]
+    torch.testing.assert_close(dx_sum32, dx2.float().sum((0, 1)), rtol=1e-6, atol=1e-6)
     rdx, rdweight, rdx2 = rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True, residual=residual, dx_cast=cast, config=config)
     assert torch.equal(rdx2, rdx.to(cast))
     assert rms_norm_bwd(dy, x, weight, 1e-6, 0.0, True)[2] is None
@@ -437,6 +441,8 @@ def test_opcheck_backward_ops():
     torch.library.opcheck(ops.layer_norm_backward.default, (dy, x, residual, dy, w, b.float(), 1e-5, True, False, True, True))
     torch.library.opcheck(ops.layer_norm_backward.default,
                           (dy, x, residual, dy, w, b.float(), 1e-5, True, True, True, True, torch.bfloat16))
+    torch.library.opcheck(ops.layer_norm_backward.default,
+                          (dy, x, residual, dy, w, b.float(), 1e-5, True, True, True, True, torch.bfloat16, torch.float32))
     torch.library.opcheck(ops.rms_norm_backward.default, (dy, x, x, None, w, 1e-6, 0.0, True, True, True, torch.float16))
     torch.library.opcheck(ops.rms_norm_backward.default, (dy.half(), xh, xh, None, b, 1e-6, 1.0, True, True, False))
     torch.library.opcheck(ops.rms_norm_backward.default, (dy, x, None, None, None, 1e-6, 0.0, False, True, True))

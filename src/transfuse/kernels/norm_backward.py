@@ -352,10 +352,11 @@ def _row_views(tensors: list[torch.Tensor | None]):
 
 def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_before_weight, compute_dx,
               compute_dweight, compute_dbias, config, dweight_dtype, dbias_dtype, compute_dx_sum=False,
-              dx_cast=None):
+              dx_cast=None, dx_sum_dtype=None):
     """Shared launcher body: returns (dx, dweight, dbias, dx_sum, dx_cast) with the sums in
-    dweight_dtype, dbias_dtype and dx_sum in dx_cast's dtype (x's without one), None for what was
-    not asked; dx_cast: dx in the dtype `dx_cast` names, also written by the kernel."""
+    dweight_dtype, dbias_dtype and dx_sum in dx_sum_dtype (default: dx_cast's, x's without one), None
+    for what was not asked; dx_cast: dx in the dtype `dx_cast` names, also written by the kernel."""
+    dx_sum_dtype = dx_sum_dtype or dx_cast or x.dtype
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
     compute_dweight = compute_dweight and weight is not None
@@ -368,7 +369,7 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
     if n_rows == 0 or n_cols == 0 or not (compute_dx or compute_dweight or compute_dbias):
         zeros = [torch.zeros(n_cols, dtype=dt, device=x.device) if asked else None
                  for asked, dt in ((compute_dweight, dweight_dtype), (compute_dbias, dbias_dtype),
-                                   (compute_dx_sum, dx_cast or x.dtype))]
+                                   (compute_dx_sum, dx_sum_dtype))]
         return (dx, *zeros, dx2)
     _check_runnable(x)
     if n_rows >= 2**31:
@@ -427,7 +428,7 @@ def _norm_bwd(kind, dy, x, residual, dsum, weight, eps, weight_offset, cast_befo
                 **common,
             )
         dweight, dbias, dx_sum = (torch.empty(n_cols, dtype=dt, device=x.device) if a else None
-                                  for a, dt in zip(asked, (dweight_dtype, dbias_dtype, dx_cast or x.dtype)))
+                                  for a, dt in zip(asked, (dweight_dtype, dbias_dtype, dx_sum_dtype)))
         if n_sums:
             outs = [t for t in (dweight, dbias, dx_sum) if t is not None]
             # Narrow column blocks, many programs: 1056 x 768 partials (x2) in 3.4 us against 6.3 at
@@ -457,6 +458,7 @@ def layer_norm_bwd(
     compute_dbias: bool = True,
     compute_dx_sum: bool = False,
     dx_cast: torch.dtype | None = None,
+    dx_sum_dtype: torch.dtype | None = None,
     config: NormBwdConfig | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of layer_norm_fwd(x, weight, bias, eps), or with residual of
@@ -470,14 +472,15 @@ def layer_norm_bwd(
     for or has no parameter. bias is read only for its dtype. dx_cast (a dtype; needs compute_dx):
     dx.to(dx_cast) written in the same pass, the gradient of a residual narrower than x (autocast's
     bf16 projection added to an fp32 residual stream). compute_dx_sum (needs compute_dx): dx_sum is
-    that tensor (dx_cast's, or dx) summed over its rows, (N,) in its dtype: the bias gradient of a
-    linear whose output the norm's residual add took (the backward graph's column sum of dx)."""
+    that tensor (dx_cast's, or dx) summed over its rows in fp32, (N,) rounded once to dx_sum_dtype
+    (default: that tensor's dtype): the bias gradient of a linear whose output the norm's residual
+    add took (the backward graph's column sum of dx; CUDA autocast sums bf16 straight into fp32)."""
     check_layer_norm_args(x, weight, bias, residual)
     _check_grad(dy, x, "dy", any_dtype=True)
     _check_grad(dsum, x, "dsum")
     return _norm_bwd("layer", dy, x, residual, dsum, weight, eps, 0.0, False, compute_dx, compute_dweight,
                      compute_dbias and bias is not None, config, _dtype_of(weight), _dtype_of(bias),
-                     compute_dx_sum, dx_cast)
+                     compute_dx_sum, dx_cast, dx_sum_dtype)
 
 
 def rms_norm_bwd(

@@ -143,28 +143,30 @@ def layer_norm_backward(
     compute_dbias: bool,
     compute_dx_sum: bool = False,
     dx_cast: Optional[torch.dtype] = None,
+    dx_sum_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias, dx_sum, dx_cast) of layer_norm(x) (add_layer_norm with a residual) given
     dy and the sum output's gradient dsum. dx_cast: dx.to(dx_cast) from the same pass, the gradient
-    of a narrower residual. dx_sum (that tensor, or dx, summed over its rows) only when
+    of a narrower residual. dx_sum (that tensor, or dx, summed over its rows, in dx_sum_dtype or its
+    own) only when
     compute_dx_sum: passes/backward_bias_grad.py asks for it where the backward graph sums it for a
     linear's bias. See kernels.norm_backward.layer_norm_bwd."""
     dx, dweight, dbias, dx_sum, dx2 = bwd_kernels.layer_norm_bwd(
         dy, x, weight, bias, eps, residual=residual, dsum=dsum, compute_dx=compute_dx,
         compute_dweight=compute_dweight, compute_dbias=compute_dbias, compute_dx_sum=compute_dx_sum,
-        dx_cast=dx_cast)
+        dx_cast=dx_cast, dx_sum_dtype=dx_sum_dtype)
     return tuple(_or_empty(t, x) for t in (dx, dweight, dbias, dx_sum, dx2))
 
 
 @layer_norm_backward.register_fake
 def _(dy, x, residual, dsum, weight, bias, eps, compute_dx, compute_dweight, compute_dbias, compute_dx_sum=False,
-      dx_cast=None):
+      dx_cast=None, dx_sum_dtype=None):
     kernels.check_layer_norm_args(x, weight, bias, residual)
     n = x.shape[-1]
     dx = x.new_empty(x.shape if compute_dx else (0,))
     dweight = weight.new_empty((n,)) if compute_dweight and weight is not None else x.new_empty((0,))
     dbias = bias.new_empty((n,)) if compute_dbias and bias is not None else x.new_empty((0,))
-    dx_sum = x.new_empty((n,) if compute_dx_sum else (0,), dtype=dx_cast or x.dtype)
+    dx_sum = x.new_empty((n,) if compute_dx_sum else (0,), dtype=dx_sum_dtype or dx_cast or x.dtype)
     dx2 = x.new_empty(x.shape, dtype=dx_cast) if dx_cast is not None else x.new_empty((0,))
     return dx, dweight, dbias, dx_sum, dx2
 

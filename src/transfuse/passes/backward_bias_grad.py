@@ -7,8 +7,9 @@ backward graph that projection's bias gradient is the column sum of the norm bac
 under autocast, of dx cast to the projection's bf16, the kernel's fifth output):
 `aten.sum(view(getitem(layer_norm_backward, 0 or 4), (rows, N)), [0], keepdim)`, a second read.
 The norm backward kernel already keeps per-program column sums for dweight and dbias; asked with
-compute_dx_sum it keeps one of that tensor too and returns it as its fourth output (in its dtype,
-rounded once from fp32, as torch's sum gives). GPT-2 124M, batch 8 x 1024: 24 such sums of
+compute_dx_sum it keeps one of that tensor too and returns it as its fourth output (fp32
+accumulation rounded once to the sum's dtype: the tensor's own, or fp32 where CUDA autocast's
+graph sums the bf16 gradient with dtype=float32 for an fp32 bias). GPT-2 124M, batch 8 x 1024: 24 such sums of
 8192 x 768 bf16, 17.6 us each on an H200 (bench/profile_train_ops.py, 2026-11-26).
 
 Runs on the aten graphs AOTAutograd hands runtime/training_graphs.py, after the forward passes.
@@ -24,7 +25,7 @@ import torch.fx as fx
 PATTERN = "BiasGradInNormBackward"
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-_COMPUTE_DX, _COMPUTE_DX_SUM, _DX_CAST = 7, 10, 11  # positions in transfuse::layer_norm_backward's schema
+_COMPUTE_DX, _COMPUTE_DX_SUM, _DX_CAST, _DX_SUM_DTYPE = 7, 10, 11, 12  # transfuse::layer_norm_backward's
 
 
 def run(gm: fx.GraphModule) -> int:
@@ -34,8 +35,10 @@ def run(gm: fx.GraphModule) -> int:
         norm_bwd = _summed_norm_backward(node)
         if norm_bwd is None:
             continue
-        dx_sum = _dx_sum_output(gm.graph, norm_bwd)
         result = node.meta["val"]
+        if _arg(norm_bwd, _COMPUTE_DX_SUM, False) and _arg(norm_bwd, _DX_SUM_DTYPE, None) != result.dtype:
+            continue  # a second sum of the same dx, in another dtype: left as it is
+        dx_sum = _dx_sum_output(gm.graph, norm_bwd, result.new_empty((result.shape[-1],)))
         with gm.graph.inserting_after(dx_sum):
             new = dx_sum if result.dim() == 1 else gm.graph.call_function(
                 torch.ops.aten.view.default, (dx_sum, [int(s) for s in result.shape]))
@@ -53,7 +56,7 @@ def _summed_norm_backward(node: fx.Node) -> fx.Node | None:
     """The layer_norm_backward node whose dx `node` sums over every row (keeping the last dim), or None."""
     if node.op != "call_function" or node.target is not torch.ops.aten.sum.dim_IntList:
         return None
-    if node.kwargs.get("dtype") is not None or len(node.args) < 2:
+    if set(node.kwargs) - {"dtype"} or len(node.args) < 2:
         return None
     src, dims = node.args[0], node.args[1]
     result, summed = node.meta.get("val"), getattr(src, "meta", {}).get("val")
@@ -61,7 +64,7 @@ def _summed_norm_backward(node: fx.Node) -> fx.Node | None:
         return None
     if sorted(d % summed.dim() for d in dims) != list(range(summed.dim() - 1)):
         return None  # not every dim but the last
-    if result.dtype != summed.dtype or not all(isinstance(s, int) for s in result.shape):
+    if not result.dtype.is_floating_point or not all(isinstance(s, int) for s in result.shape):
         return None
     base = src
     while isinstance(base, fx.Node) and base.op == "call_function" and base.target in _VIEWS:
@@ -77,8 +80,9 @@ def _summed_norm_backward(node: fx.Node) -> fx.Node | None:
     cast = _arg(norm_bwd, _DX_CAST, None)
     if (base.args[1] == 4) != (cast is not None):
         return None  # the kernel sums the cast dx when there is one, dx otherwise
-    dx = base.meta.get("val")
-    if not isinstance(dx, torch.Tensor) or dx.shape[-1] != summed.shape[-1] or not norm_bwd.args[_COMPUTE_DX]:
+    # The row length of dx, from x's meta: torch 2.11's AOTAutograd leaves getitem nodes without one.
+    x = getattr(norm_bwd.args[1], "meta", {}).get("val")
+    if not isinstance(x, torch.Tensor) or x.shape[-1] != summed.shape[-1] or not norm_bwd.args[_COMPUTE_DX]:
         return None
     return norm_bwd
 
@@ -87,19 +91,19 @@ def _arg(node: fx.Node, index: int, default):
     return node.args[index] if len(node.args) > index else default
 
 
-def _dx_sum_output(graph: fx.Graph, norm_bwd: fx.Node) -> fx.Node:
-    """getitem(norm_bwd, 3), asking the node for it first (a second sum of the same dx reuses it)."""
+def _dx_sum_output(graph: fx.Graph, norm_bwd: fx.Node, val: torch.Tensor) -> fx.Node:
+    """getitem(norm_bwd, 3), asking the node for it first (a second sum of the same dx reuses it);
+    `val` is its fake value."""
     for user in norm_bwd.users:
         if user.target is operator.getitem and user.args[1] == 3:
             return user
     cast = _arg(norm_bwd, _DX_CAST, None)
-    args = list(norm_bwd.args[:_COMPUTE_DX_SUM]) + [True, cast]
+    args = list(norm_bwd.args[:_COMPUTE_DX_SUM]) + [True, cast, val.dtype]
     norm_bwd.args = tuple(args)
-    old = norm_bwd.meta.get("val")
     with graph.inserting_after(norm_bwd):
         out = graph.call_function(operator.getitem, (norm_bwd, 3))
-    dx = old[0] if old is not None else None
-    if dx is not None:
-        out.meta["val"] = dx.new_empty((dx.shape[-1],), dtype=cast or dx.dtype)
-        norm_bwd.meta["val"] = (*old[:3], out.meta["val"], *old[4:])
+    out.meta["val"] = val
+    old = norm_bwd.meta.get("val")
+    if isinstance(old, (tuple, list)) and len(old) == 5:
+        norm_bwd.meta["val"] = (*old[:3], val, *old[4:])
     return out
