@@ -31,6 +31,18 @@ def profile_steps(step, warmup: int, steps: int):
     return prof, sum(e.self_device_time_total for e in prof.key_averages()) / (steps * 1e3)
 
 
+def make_step(arch: str, run_model, opt, x: torch.Tensor):
+    """One training step as the train bench runs it: bf16 autocast, fused AdamW. Shared with
+    bench/profile_train_ops.py."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = train.loss_of(arch, run_model, x, x)
+        loss.backward()
+        opt.step()
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="nanogpt", choices=list(train.ARCHS))
@@ -48,13 +60,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (args.batch, args.seq), device=device)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = train.loss_of(args.arch, run_model, x, x)
-        loss.backward()
-        opt.step()
-
+    step = make_step(args.arch, run_model, opt, x)
     prof, per_step_ms = profile_steps(step, warmup=3, steps=2)
     print(f"{args.provider}: GPU kernels over 2 steps ({per_step_ms:.2f} ms of kernel time per step)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import transfuse
+from profile_train import make_step  # this script's folder is on sys.path
 from transfuse.bench import train
 
 
@@ -31,13 +32,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, master.config.vocab_size, (args.batch, args.seq), device=device)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = train.loss_of(args.arch, run_model, x, x)
-        loss.backward()
-        opt.step()
-
+    step = make_step(args.arch, run_model, opt, x)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -9,30 +9,19 @@ import itertools
 import torch
 import triton
 
+from bench_gemv import graph_us  # this script's folder is on sys.path
 from transfuse.kernels import norm_backward as nb
 
 
 def graph_time_us(fn, n=25, reps=30):
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n): fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    ts.sort(); return ts[len(ts) // 2]
+    """One call's median time from replays of a CUDA graph of n calls (bench_gemv's timer)."""
+    return graph_us(lambda _: fn(), n, reps)
 
 
 def launch(partials, outs, block_p, block_n, warps, stages):
     n_cols = partials.shape[-1]
     nb._sum_partials_kernel[(triton.cdiv(n_cols, block_n), partials.shape[0])](
-        partials, partials.stride(0), partials.stride(1), outs[0], outs[-1], partials.shape[1], n_cols,
+        partials, partials.stride(0), partials.stride(1), outs[0], outs[1], outs[-1], partials.shape[1], n_cols,
         BF16_RNE_BY_HAND=False, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
