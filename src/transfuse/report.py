@@ -91,6 +91,7 @@ _BACKWARD_FAMILIES = {
     "RotaryEmbedding": "rotary", "RotaryPair": "rotary",
     "LinearEpilogue": "GEMM epilogues (activation and its gradient)", "SwiGLU": "GEMM epilogues (activation and its gradient)",
     "CrossEntropy": "cross-entropy", "LinearCrossEntropy": "LM head + cross-entropy (chunked)",
+    "BiasGradInNormBackward": "output projections' bias gradients (in the norm backward)",
 }
 
 

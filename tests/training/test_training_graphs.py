@@ -129,6 +129,7 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     assert _rewrites(model)["LinearEpilogue"] == 2
     # the output projections' bias gradients, summed in the LayerNorm backward kernels (2 blocks)
     assert _rewrites(model)["BiasGradInNormBackward"] == {"nanogpt": 4, "gpt2": 4, "llama": 0}[family]
+    assert ("bias gradients (in the norm backward)" in report) == (family != "llama"), report
 
 
 def test_dropout_draws_the_same_masks_as_eager():
