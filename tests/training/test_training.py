@@ -335,6 +335,36 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family, graphs):
     assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
 
 
+def test_hand_written_attention_on_fp32_operands_runs_in_the_autocast_dtype():
+    """CodeGen upcasts q and k to fp32 before its hand-written `q @ k^T`; under autocast both matmuls
+    still run in bf16 and the attention's output is bf16. The fused attention gets its operands cast
+    as autocast casts them (it used to take them in fp32, give an fp32 output where the graph had
+    recorded bf16, and the next linear refused the mix). Training and inference."""
+    config = transformers.CodeGenConfig(n_embd=128, n_layer=1, n_head=4, rotary_dim=16, n_positions=64, n_ctx=64,
+                                        vocab_size=97, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.CodeGenForCausalLM(config).train()
+    model.loss_type = "ForCausalLM"
+    fp32, eager = copy.deepcopy(model), copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 11))
+    transfuse.optimize(model)
+    fp32(input_ids=ids, labels=ids).loss.backward()
+    for m in (eager, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()
+    ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
+    worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
+    assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
+    attention = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes
+                 if n.target is torch.ops.transfuse.attention_train.default]
+    assert len(attention) == 1 and all(a.meta["example_value"].dtype == torch.bfloat16 for a in attention[0].args[:3])
+    model.eval()
+    eager.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(input_ids=ids).logits, eager(input_ids=ids).logits
+    assert got.dtype == want.dtype and (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma", "phi3"])
 def test_decoder_family_training_equals_eager(family):
     """The registry's other decoder families (sliding window, Q/K/V bias, Gemma's 1 + weight norm,

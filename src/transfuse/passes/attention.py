@@ -299,6 +299,10 @@ def _match_manual(softmax: fx.Node) -> dict:
     return dict(
         out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
         is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p,
+        # Under autocast both matmuls run in its dtype whatever q, k and v hold (CodeGen upcasts q and
+        # k to fp32 first): the op gets them cast. A mask is added to the scores outside the matmuls,
+        # in the promoted dtype, so it keeps its own (finfo(fp32).min would round to -inf in bf16).
+        autocast=_autocast_dtype(pv, (q, kt, v)), cast_mask=False,
     )
 
 
@@ -424,7 +428,8 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
         if spec.get("autocast") is not None:
             # what torch.autocast does to SDPA's arguments: every floating one to its dtype
             q, k, v = (cast_to(graph, t, spec["autocast"]) for t in (q, k, v))
-            if mask is not None and tensor_meta(mask) is not None and tensor_meta(mask).dtype.is_floating_point:
+            if mask is not None and spec.get("cast_mask", True) and tensor_meta(mask) is not None \
+                    and tensor_meta(mask).dtype.is_floating_point:
                 mask = cast_to(graph, mask, spec["autocast"])
         if ctx.training:
             new = graph.call_function(torch.ops.transfuse.attention_train.default,

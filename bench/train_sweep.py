@@ -1,0 +1,86 @@
+"""Training sweep: every family of bench/family_sweep.py in train mode (dropouts 0), left padding for
+decoders and right padding for encoder inputs, through transfuse.optimize(training_graphs=...): the
+loss of a weighted square of the logits (or hidden states) on the unpadded positions and every
+parameter's gradient against eager fp32 (relative norm < 1e-4, key biases' exact-zero gradients
+skipped); with bf16, under CPU autocast, within 2x eager-bf16's error plus 1e-2.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src:. python3 bench/train_sweep.py [families,comma,separated] [1|0] [fp32|bf16]
+"""
+import copy
+import sys
+import time
+
+import torch
+import transformers
+
+import transfuse
+from family_sweep import FAMILIES, _spread_weights  # this script's folder is on sys.path
+
+names = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else [f[0] for f in FAMILIES]
+graphs = (sys.argv[2] if len(sys.argv) > 2 else "1") == "1"
+autocast = len(sys.argv) > 3 and sys.argv[3] == "bf16"
+for spec in FAMILIES:
+    name, kind, config_cls, model_cls, config, attn = spec
+    if name not in names:
+        continue
+    t0 = time.time()
+    try:
+        cfg = getattr(transformers, config_cls)(**config)
+        for k, v in list(vars(cfg).items()):
+            if isinstance(v, float) and ("dropout" in k or "pdrop" in k or k.endswith("_drop")):
+                setattr(cfg, k, 0.0)
+        if attn is not None:
+            cfg._attn_implementation = attn
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(cfg).train()
+        _spread_weights(model)
+        ref = copy.deepcopy(model)
+        eager = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 90, (2, 11), generator=g)
+        mask = torch.ones_like(ids)
+        if kind == "dec":
+            mask[1, :3] = 0
+        else:
+            mask[1, 8:] = 0
+        kw = dict(input_ids=ids, attention_mask=mask)
+        if kind == "s2s":
+            kw["decoder_input_ids"] = torch.randint(3, 90, (2, 5), generator=g)
+        transfuse.optimize(model, training_graphs=graphs)
+        losses, outs = [], []
+        for m, ac in ((model, autocast), (ref, False), (eager, autocast)):
+            if m is eager and not autocast:
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+                out = m(**kw)
+            t = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+            keep = mask.bool() if t.shape[1] == mask.shape[1] else torch.ones(t.shape[:2], dtype=torch.bool)
+            w = torch.linspace(-1, 1, t.shape[-1])
+            loss = (t.float()[keep] * w).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        errs, eager_errs = {}, {}
+        for (n, p), (_, r), (_, e) in zip(model.named_parameters(), ref.named_parameters(), eager.named_parameters()):
+            if r.grad is None and p.grad is None:
+                continue
+            if (r.grad is None) != (p.grad is None):
+                errs[n] = float("inf"); continue
+            den = r.grad.norm().item()
+            if den < 1e-6:  # exact zero gradients (key biases): noise on both sides
+                continue
+            errs[n] = ((p.grad - r.grad).norm() / den).item()
+            if autocast:
+                eager_errs[n] = ((e.grad - r.grad).norm() / den).item()
+        if autocast:
+            worst = max(errs, key=lambda n: errs[n] - 2 * eager_errs[n]) if errs else "-"
+            ok = not errs or errs[worst] <= 2 * eager_errs[worst] + 1e-2
+            loss_ok = abs(losses[0] - losses[2]) <= 2 * abs(losses[2] - losses[1]) + 1e-3 * abs(losses[1])
+            ok = ok and loss_ok
+        else:
+            worst = max(errs, key=errs.get) if errs else "-"
+            ok = abs(losses[0] - losses[1]) <= 1e-5 * max(1, abs(losses[1])) and (not errs or errs[worst] < 1e-4)
+        rw = model._transfuse_state.backend.records
+        print(f"{'PASS' if ok else 'FAIL'} {name:14s} loss {losses[0]:.6g}/{losses[1]:.6g}{'/%.6g' % losses[2] if autocast else ''} worst {errs.get(worst, 0):.1e} (eager {eager_errs.get(worst, 0):.1e}) {worst} "
+              f"eager_reason={model._transfuse_state.eager_reason} graphs={len(rw)} {time.time()-t0:.0f}s", flush=True)
+    except Exception as e:
+        print(f"ERROR {name:14s} {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
