@@ -9,8 +9,8 @@ under autocast, of dx cast to the projection's bf16, the kernel's fifth output):
 The norm backward kernel already keeps per-program column sums for dweight and dbias; asked with
 compute_dx_sum it keeps one of that tensor too and returns it as its fourth output (fp32
 accumulation rounded once to the sum's dtype: the tensor's own, or fp32 where CUDA autocast's
-graph sums the bf16 gradient with dtype=float32 for an fp32 bias). GPT-2 124M, batch 8 x 1024: 24 such sums of
-8192 x 768 bf16, 17.6 us each on an H200 (bench/profile_train_ops.py, 2026-11-26).
+graph sums the bf16 gradient with dtype=float32 for an fp32 bias). GPT-2 124M, batch 8 x 1024:
+24 such sums of 8192 x 768 bf16, 17.6 us each on an H200 (bench/profile_train_ops.py, 2026-11-26).
 
 Runs on the aten graphs AOTAutograd hands runtime/training_graphs.py, after the forward passes.
 """
