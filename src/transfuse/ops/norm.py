@@ -148,9 +148,8 @@ def layer_norm_backward(
     """(dx, dweight, dbias, dx_sum, dx_cast) of layer_norm(x) (add_layer_norm with a residual) given
     dy and the sum output's gradient dsum. dx_cast: dx.to(dx_cast) from the same pass, the gradient
     of a narrower residual. dx_sum (that tensor, or dx, summed over its rows, in dx_sum_dtype or its
-    own) only when
-    compute_dx_sum: passes/backward_bias_grad.py asks for it where the backward graph sums it for a
-    linear's bias. See kernels.norm_backward.layer_norm_bwd."""
+    own) only when compute_dx_sum: passes/backward_bias_grad.py asks for it where the backward graph
+    sums it for a linear's bias. See kernels.norm_backward.layer_norm_bwd."""
     dx, dweight, dbias, dx_sum, dx2 = bwd_kernels.layer_norm_bwd(
         dy, x, weight, bias, eps, residual=residual, dsum=dsum, compute_dx=compute_dx,
         compute_dweight=compute_dweight, compute_dbias=compute_dbias, compute_dx_sum=compute_dx_sum,
@@ -263,7 +262,7 @@ def _add_layer_norm_backward(ctx, dout, dsum):
     ds, dweight, dbias, _, ds_cast = torch.ops.transfuse.layer_norm_backward(
         _output_grad(dout, rows), rows, residual, dsum, weight, bias, ctx.eps, need_x or need_residual,
         need_weight, need_bias, False, cast)
-    dresidual = (ds_cast if cast is not None else ds) if need_residual else None
+    dresidual = ds_cast if cast is not None else _needed(ds, need_residual)
     return (_needed(ds, need_x), dresidual, _needed(dweight, need_weight),
             _needed(dbias, need_bias), None, None, None)
 
@@ -302,7 +301,7 @@ def _add_rms_norm_backward(ctx, dout, dsum):
     ds, dweight, ds_cast = torch.ops.transfuse.rms_norm_backward(
         _output_grad(dout, rows), rows, residual, dsum, weight, *ctx.args, need_x or need_residual,
         need_weight, cast)
-    dresidual = (ds_cast if cast is not None else ds) if need_residual else None
+    dresidual = ds_cast if cast is not None else _needed(ds, need_residual)
     return _needed(ds, need_x), dresidual, _needed(dweight, need_weight), None, None, None, None, None
 
 
