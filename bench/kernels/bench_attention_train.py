@@ -215,9 +215,10 @@ def build_cases(q, k, v, do, scale: float, causal: bool):
     dkdv = Case(
         "dkdv", at._attention_train_bwd_dkdv_kernel,
         (q, *strides3(q), k, *strides3(k), v, *strides3(v), q, *no_bias,
-         do, *strides3(do), dk, *strides3(dk), dv, *strides3(dv), delta, *no_bias,
-         stats_ref, delta, HKV, group, S, S, float(scale), *buckets),
-        dict(flags, STORE_DS=False, DS_SUM_Q=False), lambda bm, bn: (triton.cdiv(S, bn) * B * HKV,),
+         do, *strides3(do), dk, *strides3(dk), dv, *strides3(dv), dk, *strides3(dk), dv, *strides3(dv),
+         delta, *no_bias, stats_ref, delta, HKV, group, S, S, float(scale), *buckets),
+        dict(flags, STORE_DS=False, DS_SUM_Q=False, HAS_DK_ADD=False, HAS_DV_ADD=False),
+        lambda bm, bn: (triton.cdiv(S, bn) * B * HKV,),
         [(dk, dk_ref), (dv, dv_ref)], MATMULS["dkdv"] * per_matmul)
     dqc = Case(
         "dq", at._attention_train_bwd_dq_kernel,

@@ -190,7 +190,8 @@ def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], opti
     else:
         graphs, why_not = _graph_safe(gm, example_inputs), "an input is not on the GPU"
     try:
-        runner = TrainingGraphs(gm, example_inputs, static, graphs, why_not)
+        runner = TrainingGraphs(gm, example_inputs, static, graphs, why_not,
+                                disabled=frozenset(options.get("disable", ())))
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo's own control flow (it traces the frame again)
     except Exception as e:  # an op AOTAutograd cannot trace: today's eager path still runs it

@@ -107,6 +107,19 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
+def _check_disable(disable) -> None:
+    from transfuse.passes.manager import backward_registry, registry
+
+    if isinstance(disable, str):
+        raise TransfuseError(f"transfuse.optimize: disable takes a list of pass names, got the string {disable!r}; "
+                             f"write disable=({disable!r},)")
+    known = {p.name for p in registry()} | {p.name for p in backward_registry()}
+    unknown = sorted(set(disable) - known)
+    if unknown:
+        raise TransfuseError(f"transfuse.optimize: no pass is named {', '.join(map(repr, unknown))}; "
+                             f"the names are {', '.join(sorted(known))}")
+
+
 def optimize(
     model: torch.nn.Module,
     *,
@@ -133,7 +146,8 @@ def optimize(
     max_graphs: how many bucket graphs are kept (least recently used ones are dropped).
     warmup: shapes to capture now, with a progress bar: (batch, seq) pairs for Hugging Face models,
         or dicts of keyword arguments / tuples of positional arguments for any model.
-    disable: names of passes to skip (see transfuse.passes.manager.registry()).
+    disable: names of passes to skip (see transfuse.passes.manager.registry() and backward_registry():
+        "backward_fp32_grads" keeps eager's 16-bit rounding of weight gradients under autocast).
     module_guards: keep Dynamo's guards on every submodule's state (slower calls; for models whose
         submodules get plain attributes assigned while optimized, see transfuse.guards).
     max_traces: with dynamic shapes a model needs a few traces: prompt and decode step, each for a
@@ -159,6 +173,7 @@ def optimize(
         raise TransfuseError(f"transfuse.optimize: max_graphs must be at least 1, got {max_graphs}")
     if buckets not in (None, False):
         BucketPolicy(buckets)  # validates now, with a clear message
+    _check_disable(disable)
     original = model.forward
     # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
     # many shapes never drops to eager silently.

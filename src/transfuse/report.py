@@ -92,6 +92,9 @@ _BACKWARD_FAMILIES = {
     "LinearEpilogue": "GEMM epilogues (activation and its gradient)", "SwiGLU": "GEMM epilogues (activation and its gradient)",
     "CrossEntropy": "cross-entropy", "LinearCrossEntropy": "LM head + cross-entropy (chunked)",
     "BiasGradInNormBackward": "output projections' bias gradients (in the norm backward)",
+    "ColumnSum": "other bias gradients (column sums)",
+    "PackedQKVGrad": "fused QKV gradients (written in place by the attention backward)",
+    "Fp32Gradients": "weight and bias gradients written in fp32 (no rounding to 16 bits on the way)",
 }
 
 

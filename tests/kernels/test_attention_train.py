@@ -339,6 +339,39 @@ def test_opcheck(device):
                           (grad_out, q, k, v, bias, out, stats, torch.randn_like(lse), 0.25, True, True))
 
 
+def test_packed_backward_writes_the_three_gradients_side_by_side(device):
+    """attention_train_bwd_packed (a fused QKV linear's gradient, passes/backward_packed_qkv.py): dq,
+    dk and dv, as attention_train_bwd gives them, laid along the last dim in the given order; with
+    grouped KV heads of their own width. Its fake implementation agrees, and opcheck passes."""
+    gen = torch.Generator().manual_seed(7)
+    b, t, d = 2, 9, 16
+    q = torch.randn(b, t, 4, d, generator=gen).to(device).transpose(1, 2)
+    k, v = (torch.randn(b, t, 2, d, generator=gen).to(device).transpose(1, 2) for _ in range(2))
+    out, lse, stats = attention_train_fwd(q, k, v, None, 0.25, True)
+    grad_out = torch.randn(out.shape, generator=gen).to(device)
+    dq, dk, dv, _ = attention_train_bwd(grad_out, q, k, v, None, out, stats, 0.25, True, False)
+    order = [2, 0, 1]
+    packed, dbias = torch.ops.transfuse.attention_train_bwd_packed(
+        grad_out, q, k, v, None, out, stats, None, 0.25, True, False, order)
+    assert packed.shape == (b, t, 4 * d + 2 * 2 * d) and packed.is_contiguous() and dbias.numel() == 0
+    rows = {i: g.transpose(1, 2).reshape(b, t, -1) for i, g in enumerate((dq, dk, dv))}
+    torch.testing.assert_close(packed, torch.cat([rows[i] for i in order], -1), rtol=0, atol=0)
+    # what else k and v receive (a returned KV cache's gradients), added in the kernel
+    extra_k = torch.randn(b, t, 2, d, generator=gen).to(device).transpose(1, 2)
+    extra_v = torch.randn(k.shape, generator=gen).to(device)
+    with_extra, _ = torch.ops.transfuse.attention_train_bwd_packed(
+        grad_out, q, k, v, None, out, stats, None, 0.25, True, False, order, extra_k, extra_v)
+    rows[1], rows[2] = ((g + e).transpose(1, 2).reshape(b, t, -1) for g, e in ((dk, extra_k), (dv, extra_v)))
+    torch.testing.assert_close(with_extra, torch.cat([rows[i] for i in order], -1), rtol=1e-6, atol=1e-6)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.transfuse.attention_train_bwd_packed(
+            *(mode.from_tensor(x) for x in (grad_out, q, k, v)), None,
+            *(mode.from_tensor(x) for x in (out, stats)), None, 0.25, True, False, order)
+    assert fake[0].shape == packed.shape and fake[0].stride() == packed.stride()
+    torch.library.opcheck(torch.ops.transfuse.attention_train_bwd_packed.default,
+                          (grad_out, q, k, v, None, out, stats, None, 0.25, True, False, order, extra_k, None))
+
+
 def test_op_autograd_and_fake_layout(device):
     """The public op is differentiable in every input; fake tensors get the real shapes and strides."""
     q, k, v, bias = _small(device)

@@ -23,9 +23,9 @@ SCHEMAS = {
     "linear_train_fwd": "transfuse::linear_train_fwd(Tensor x, Tensor weight, Tensor? bias, str activation, "
     "Tensor? residual) -> (Tensor, Tensor)",
     "activation_backward": "transfuse::activation_backward(Tensor grad_out, Tensor pre, str activation) -> Tensor",
-    "activation_bias_backward": "transfuse::activation_bias_backward(Tensor grad_out, Tensor pre, str activation) "
-    "-> (Tensor, Tensor)",
-    "bias_grad": "transfuse::bias_grad(Tensor dy) -> Tensor",
+    "activation_bias_backward": "transfuse::activation_bias_backward(Tensor grad_out, Tensor pre, str activation, "
+    "ScalarType? dbias_dtype=None) -> (Tensor, Tensor)",
+    "bias_grad": "transfuse::bias_grad(Tensor dy, ScalarType? out_dtype=None) -> Tensor",
 }
 # dtype, atol added to twice torch's own max error, as a fraction of the gradient's largest value
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]

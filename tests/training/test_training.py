@@ -305,7 +305,9 @@ def test_encoder_decoder_training_equals_eager(family):
 def test_bf16_autocast_gradients_within_eager_bf16_error(family, graphs):
     """Under torch.autocast(bf16) the gradients are as close to fp32's as eager bf16's are; with
     AOTAutograd's graphs too, where the projections' bias gradients (the column sums of the bf16
-    residual gradients the norm backward kernels write) are summed in those kernels."""
+    residual gradients the norm backward kernels write) are summed in those kernels, c_attn's by
+    transfuse.bias_grad, and the bias gradients are summed straight into fp32 (on a GPU the weight
+    gradients' GEMMs write fp32 too: test_training_graphs_gpu.py)."""
     model = {"nanogpt": _nanogpt, "gpt2": _hf_gpt2, "llama": _llama}[family]()
     fp32, eager = copy.deepcopy(model), copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 11))
@@ -321,6 +323,10 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family, graphs):
     fused = {"nanogpt": "ResidualLayerNorm", "gpt2": "ResidualLayerNorm", "llama": "ResidualRMSNorm"}[family]
     assert _rewrites(model)[fused] == 4
     assert _rewrites(model)["BiasGradInNormBackward"] == (4 if graphs else 0)
+    assert _rewrites(model)["ColumnSum"] == (2 if graphs else 0)
+    assert _rewrites(model)["PackedQKVGrad"] == (2 if graphs else 0)  # c_attn's gradient, no cat
+    # 2 c_attn bias sums, 4 norm backward sums (c_proj biases), 2 c_fc bias sums in the GELU backward
+    assert _rewrites(model)["Fp32Gradients"] == (8 if graphs else 0)
     ops = torch.ops.transfuse
     norm_ops = (ops.layer_norm.default, ops.add_layer_norm.default, ops.rms_norm.default, ops.add_rms_norm.default)
     norms = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes if n.target in norm_ops]

@@ -130,6 +130,8 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     # the output projections' bias gradients, summed in the LayerNorm backward kernels (2 blocks)
     assert _rewrites(model)["BiasGradInNormBackward"] == {"nanogpt": 4, "gpt2": 4, "llama": 0}[family]
     assert ("bias gradients (in the norm backward)" in report) == (family != "llama"), report
+    # one QKV linear: the attention backward writes its gradient in place (Llama has three linears)
+    assert _rewrites(model)["PackedQKVGrad"] == {"nanogpt": 2, "gpt2": 2, "llama": 0}[family]
 
 
 def test_dropout_draws_the_same_masks_as_eager():

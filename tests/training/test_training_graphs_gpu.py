@@ -194,3 +194,40 @@ def test_a_reset_between_two_models_loses_only_the_old_gradients():
     assert all(p.grad is None for p in first.parameters())
     batches = _batches(gen, (4, 32), 1)
     _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
+
+
+def test_bf16_autocast_gradients_written_in_fp32():
+    """Under CUDA autocast the backward's 16-bit weight-gradient GEMMs write fp32 themselves
+    (aten.mm.dtype) and the bias sums round straight to fp32 (passes/backward_fp32_grads.py): every
+    gradient is at least as close to the fp32 model's as eager bf16's, and no farther than with the
+    rewrite disabled (eager's rounding to bf16 on the way)."""
+    torch.manual_seed(0)
+    fp32 = GPT(tiny_config(n_layer=2, n_embd=128, n_head=4)).cuda().train()
+    eager, ours, rounded = (copy.deepcopy(fp32) for _ in range(3))
+    transfuse.optimize(ours)
+    transfuse.optimize(rounded, disable=("backward_fp32_grads",))
+    x = torch.randint(0, 97, (4, 64), device="cuda")
+    grads = {}
+    for name, m in (("fp32", fp32), ("eager", eager), ("ours", ours), ("rounded", rounded)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name != "fp32"):
+            m(x, x.roll(-1, 1))[1].backward()
+        grads[name] = {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    def errors(name):
+        return {n: ((g.float() - grads["fp32"][n]).norm() / grads["fp32"][n].norm()).item()
+                for n, g in grads[name].items()}
+
+    e_ours, e_eager, e_rounded = errors("ours"), errors("eager"), errors("rounded")
+    for n in e_ours:
+        assert e_ours[n] <= 2 * e_eager[n] + 1e-3, (n, e_ours[n], e_eager[n])
+    # the rewrite only removes roundings: on the whole no farther from fp32 than without it
+    assert sum(e_ours.values()) <= sum(e_rounded.values()) * 1.05, (e_ours, e_rounded)
+    counts = {}
+    for record in ours._transfuse_state.backend.records:
+        counts.update(record.rewrites)
+    # 8 weight GEMMs (c_attn, attn.c_proj, c_fc, mlp.c_proj a block) and 2 c_fc bias sums in the GELU
+    # backwards; also, where the graph sums in bf16 and then widens (torch 2.13), the 2 c_attn bias
+    # sums and the 4 projection bias sums in the norm backwards (torch 2.11's CUDA autocast graph
+    # sums those with dtype=float32 already)
+    assert counts.get("Fp32Gradients") in (10, 16) and counts.get("ColumnSum") == 2, counts
+    assert all("Fp32Gradients" not in r.rewrites for r in rounded._transfuse_state.backend.records)

@@ -70,12 +70,27 @@ def activation_config(n_cols: int) -> ActivationConfig:
     """2048-element tiles on 4 warps, 16 values per thread and tensor: enough loads in flight for a
     memory-bound kernel without spilling the backward's four live tiles (silu_mul). Rows up to 256
     columns wide per tile, so that each row segment is one long contiguous read. Not autotuned (no
-    shape keys to bucket, and nothing to gain from tuning a copy-speed kernel); not yet measured
-    on a GPU either: revisit with a bench sweep."""
+    shape keys to bucket, and nothing to gain from tuning a copy-speed kernel)."""
     if INTERPRET:
         return _INTERPRET_CONFIG
     block_n = min(256, max(16, next_power_of_2(n_cols)))
     return ActivationConfig(BLOCK_M=2048 // block_n, BLOCK_N=block_n, num_warps=4)
+
+
+# Programs per SM when the backward also sums grad_pre's columns (each program walks a chunk of rows).
+_DBIAS_PROGRAMS_PER_SM = 4
+
+
+def activation_dbias_config(n_cols: int) -> ActivationConfig:
+    """The backward's tiles when it also sums the bias gradient: 4096 elements, 128 columns wide, on
+    8 warps. At 8192 x 3072 bf16 on an H200 this took GELU's backward from 79.2 to 65.7 us and
+    gelu_tanh's from 70.1 to 51.1 (the copy floor is 36.7), against 2048-element tiles 256 wide;
+    four programs per SM were as good as 8 or 16 (bench/kernels/sweep_train_memory_bound.py,
+    2026-11-26)."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    block_n = min(128, max(16, next_power_of_2(n_cols)))
+    return ActivationConfig(BLOCK_M=4096 // block_n, BLOCK_N=block_n, num_warps=8)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -227,7 +242,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 or t2.shape[1] <= 1 else t2.contiguous()
 
 
-def _launch(kernel, pre: torch.Tensor, n: int, *args, chunking=None, **flags) -> None:
+def _launch(kernel, pre: torch.Tensor, n: int, *args, chunking=None, config=None, **flags) -> None:
     """Launches kernel over pre's M rows and n columns in (BLOCK_M, BLOCK_N) tiles, one tile per
     program, or with chunking = (rows_per_chunk, n_chunks) one chunk of rows per program (the
     backward kernel takes rows_per_chunk after M and N)."""
@@ -235,7 +250,7 @@ def _launch(kernel, pre: torch.Tensor, n: int, *args, chunking=None, **flags) ->
         raise RuntimeError(f"transfuse activation kernels run on CUDA tensors (or anywhere under "
                            f"TRITON_INTERPRET=1); pre is on {pre.device}")
     m = pre.numel() // pre.shape[-1]
-    config = activation_config(n)
+    config = config or activation_config(n)
     if chunking is None:
         grid = (triton.cdiv(m, config.BLOCK_M), triton.cdiv(n, config.BLOCK_N))
         sizes = (m, n)
@@ -265,23 +280,22 @@ def activation_fwd(pre: torch.Tensor, activation: str, residual: torch.Tensor | 
     return out
 
 
-def _activation_bwd(grad_out, pre, activation, with_dbias):
+def _activation_bwd(grad_out, pre, activation, with_dbias, dbias_dtype=None):
     n = check_activation_args(pre, activation, grad_out, "grad_out")
     width = pre.shape[-1]
     grad_pre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
     if grad_pre.numel() == 0:
         # an empty sum is 0
-        return grad_pre, torch.zeros((width,), dtype=pre.dtype, device=pre.device) if with_dbias else None
+        return grad_pre, torch.zeros((width,), dtype=dbias_dtype or pre.dtype, device=pre.device) if with_dbias else None
     pre2, grad_pre2 = _rows(pre), grad_pre.view(-1, width)
     grad2 = grad_out.reshape(-1, n)
     m = grad2.shape[0]
-    config = activation_config(n)
+    config = activation_dbias_config(n) if with_dbias else activation_config(n)
     if with_dbias:
         # few enough programs that the partial rows stay small: a chunk of rows each
         rows_per_chunk, n_chunks = bias_grad.row_chunks(
-            m, triton.cdiv(n, config.BLOCK_N), config.BLOCK_M, bias_grad.bias_grad_config(n).programs_per_sm,
-            pre.device)
-        partials, dbias = bias_grad.new_partials(n_chunks, width, pre.dtype, pre)
+            m, triton.cdiv(n, config.BLOCK_N), config.BLOCK_M, _DBIAS_PROGRAMS_PER_SM, pre.device)
+        partials, dbias = bias_grad.new_partials(n_chunks, width, dbias_dtype or pre.dtype, pre)
     else:  # one tile per program; the partials pointer is never written
         rows_per_chunk, n_chunks = config.BLOCK_M, triton.cdiv(m, config.BLOCK_M)
         partials, dbias = grad_pre2, None
@@ -290,7 +304,7 @@ def _activation_bwd(grad_out, pre, activation, with_dbias):
             pre2, pre2.stride(0),
             grad_pre2, grad_pre2.stride(0),
             partials, partials.stride(0),
-            chunking=(rows_per_chunk, n_chunks),
+            chunking=(rows_per_chunk, n_chunks), config=config,
             ACTIVATION=activation, HAS_DBIAS=with_dbias)
     return grad_pre, bias_grad.reduce_partials(partials, dbias) if with_dbias else None
 
@@ -301,9 +315,9 @@ def activation_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -
     return _activation_bwd(grad_out, pre, activation, False)[0]
 
 
-def activation_bias_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_bias_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str,
+                        dbias_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_pre, dbias): activation_bwd's grad_pre and its sum over every row, (pre.shape[-1],),
-    fp32 accumulation rounded to pre's dtype (kernels.bias_grad's result for grad_pre), computed
-    while grad_pre is written rather than read back by a second kernel."""
-    return _activation_bwd(grad_out, pre, activation, True)
+    fp32 accumulation rounded to dbias_dtype (pre's when None; kernels.bias_grad's result for
+    grad_pre), computed while grad_pre is written rather than read back by a second kernel."""
+    return _activation_bwd(grad_out, pre, activation, True, dbias_dtype)

@@ -492,6 +492,8 @@ def _attention_train_bwd_dkdv_kernel(
     do_ptr, stride_do_batch, stride_do_head, stride_do_seq,
     dk_ptr, stride_dk_batch, stride_dk_head, stride_dk_seq,
     dv_ptr, stride_dv_batch, stride_dv_head, stride_dv_seq,
+    dk_add_ptr, stride_dk_add_batch, stride_dk_add_head, stride_dk_add_seq,
+    dv_add_ptr, stride_dv_add_batch, stride_dv_add_head, stride_dv_add_seq,
     ds_ptr, stride_ds_batch, stride_ds_head, stride_ds_q, stride_ds_k,
     stats_ptr, delta_ptr,
     nheads_kv, kv_group, seqlen_q, seqlen_k, scale,
@@ -503,13 +505,17 @@ def _attention_train_bwd_dkdv_kernel(
     BIAS_BROADCAST_Q: tl.constexpr,
     STORE_DS: tl.constexpr,
     DS_SUM_Q: tl.constexpr,
+    HAS_DK_ADD: tl.constexpr,
+    HAS_DV_ADD: tl.constexpr,
     LOAD_AS_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dK, dV (and dS) of BLOCK_N keys of one kv head: loops over the query heads of its group and,
-    for each, over the query blocks that can see these keys (FA-2 Algorithm 2's outer loop)."""
+    for each, over the query blocks that can see these keys (FA-2 Algorithm 2's outer loop). With
+    HAS_DK_ADD / HAS_DV_ADD a gradient k or v gets from elsewhere (a returned KV cache's) is added
+    before the one rounding to the output dtype."""
     num_n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
     pid = tl.program_id(0)
     pid_bh_kv = pid // num_n_blocks
@@ -621,6 +627,12 @@ def _attention_train_bwd_dkdv_kernel(
                + offs_d[None, :])
     dv_ptrs = (dv_ptr + off_b * stride_dv_batch + off_h_kv * stride_dv_head + cols64[:, None] * stride_dv_seq
                + offs_d[None, :])
+    if HAS_DK_ADD:
+        dk += tl.load(dk_add_ptr + off_b * stride_dk_add_batch + off_h_kv * stride_dk_add_head
+                      + cols64[:, None] * stride_dk_add_seq + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_DV_ADD:
+        dv += tl.load(dv_add_ptr + off_b * stride_dv_add_batch + off_h_kv * stride_dv_add_head
+                      + cols64[:, None] * stride_dv_add_seq + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=ok)
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=ok)
 
@@ -764,7 +776,7 @@ def _attention_train_bwd_dq_kernel(
 _BWD_KEYS = ["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "BIAS_BROADCAST_Q"]
 _attention_train_bwd_dkdv_kernel_autotuned = triton.autotune(
     configs=_configs("dkdv"),
-    key=_BWD_KEYS + ["kv_group", "STORE_DS", "DS_SUM_Q"],
+    key=_BWD_KEYS + ["kv_group", "STORE_DS", "DS_SUM_Q", "HAS_DK_ADD", "HAS_DV_ADD"],
     prune_configs_by={"early_config_prune": _keep("dkdv")},
 )(_attention_train_bwd_dkdv_kernel)
 
@@ -841,10 +853,12 @@ def attention_train_empty_out(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def attention_train_empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                                bias_needs_grad: bool):
+                                bias_needs_grad: bool, with_qkv: bool = True):
     """(dq, dk, dv, dbias or None) as the backward allocates them: like q, k, v (torch.empty_like) and a
-    contiguous tensor of bias's shape and dtype."""
+    contiguous tensor of bias's shape and dtype; (None, None, None, dbias) without with_qkv."""
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_needs_grad) else None
+    if not with_qkv:
+        return None, None, None, dbias
     return _grad_like(q), _grad_like(k), _grad_like(v), dbias
 
 
@@ -854,6 +868,12 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
     # stride along the head dim, so anything else is allocated contiguous.
     g = torch.empty_like(x)
     return g if g.stride(-1) == 1 or x.shape[-1] <= 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _addend(extra: Optional[torch.Tensor], stand_in: torch.Tensor) -> tuple:
+    """(pointer, batch, head and seq strides) of an addend, or of a stand-in never read."""
+    t = extra if extra is not None else stand_in
+    return t, t.stride(0), t.stride(1), t.stride(2)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -939,10 +959,17 @@ def attention_train_bwd(
     dlse: Optional[torch.Tensor] = None,
     *,
     blocks: Optional[tuple[int, int]] = None,
+    grads: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dk_add: Optional[torch.Tensor] = None,
+    dv_add: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(dq, dk, dv, dbias or None) from dO = `do` (and dlse = the gradient of lse, if any), with the
     forward's inputs, out and stats. dbias (bias's shape and dtype) only when bias_needs_grad.
-    Deterministic: no atomics. `blocks` pins (BLOCK_M, BLOCK_N) of both main kernels."""
+    Deterministic: no atomics. `blocks` pins (BLOCK_M, BLOCK_N) of both main kernels. `grads`:
+    (dq, dk, dv) to write into, shaped and typed like q, k, v, any strides with a unit last one (the
+    three slices of one packed QKV gradient, ops.attention_train.attention_train_bwd_packed).
+    dk_add / dv_add: gradients k and v get from elsewhere (k's and v's shapes), added to dk and dv in
+    fp32 before they are rounded and stored."""
     check_attention_train_args(q, k, v, bias, scale)
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -956,7 +983,21 @@ def attention_train_bwd(
         raise ValueError(f"attention_train_bwd: dlse shape {tuple(dlse.shape)} differs from lse's "
                          f"{(batch, nheads, seqlen_q)}")
     bias_needs_grad = bool(bias_needs_grad) and bias is not None
-    dq, dk, dv, dbias = attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
+    dq, dk, dv, dbias = attention_train_empty_grads(q, k, v, bias, bias_needs_grad, with_qkv=grads is None)
+    if grads is not None:
+        for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            if g.shape != like.shape or g.dtype != like.dtype or g.device != like.device or \
+                    (g.stride(-1) != 1 and g.shape[-1] > 1):
+                raise ValueError(f"attention_train_bwd: {name} must be {like.dtype} {tuple(like.shape)} on "
+                                 f"{like.device} with a unit last stride, got {g.dtype} {tuple(g.shape)} "
+                                 f"strides {g.stride()}")
+        dq, dk, dv = grads
+    for name, extra, like in (("dk_add", dk_add, k), ("dv_add", dv_add, v)):
+        if extra is not None and extra.shape != like.shape:
+            raise ValueError(f"attention_train_bwd: {name} must have the shape {tuple(like.shape)}, got "
+                             f"{tuple(extra.shape)}")
+    dk_add = _unit_last_stride(dk_add) if dk_add is not None else None
+    dv_add = _unit_last_stride(dv_add) if dv_add is not None else None
     if q.numel() == 0 or k.numel() == 0:
         for t in (dq, dk, dv, dbias):
             if t is not None:
@@ -1012,6 +1053,7 @@ def attention_train_bwd(
         do, do.stride(0), do.stride(1), do.stride(2),
         dk, dk.stride(0), dk.stride(1), dk.stride(2),
         dv, dv.stride(0), dv.stride(1), dv.stride(2),
+        *(_addend(dk_add, dk)), *(_addend(dv_add, dv)),
         ds, *ds_strides,
         stats, delta,
         nheads_kv, nheads // nheads_kv, seqlen_q, seqlen_k, float(scale),
@@ -1019,7 +1061,8 @@ def attention_train_bwd(
     )
     grid = lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]) * batch * nheads_kv,)  # noqa: E731
     _launch(_attention_train_bwd_dkdv_kernel_autotuned, _attention_train_bwd_dkdv_kernel, grid, dkdv_args,
-            dict(flags, STORE_DS=bias_needs_grad, DS_SUM_Q=ds_sum_q), blocks)
+            dict(flags, STORE_DS=bias_needs_grad, DS_SUM_Q=ds_sum_q, HAS_DK_ADD=dk_add is not None,
+                 HAS_DV_ADD=dv_add is not None), blocks)
 
     dq_args = (
         q, q.stride(0), q.stride(1), q.stride(2),

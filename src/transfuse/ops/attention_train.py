@@ -6,6 +6,8 @@
     attention_train_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor out, Tensor stats,
                         Tensor? grad_lse, float scale, bool is_causal, bool bias_needs_grad)
         -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)
+    attention_train_bwd_packed(<attention_train_bwd's arguments>, int[] order, Tensor? grad_k_extra,
+                               Tensor? grad_v_extra) -> (Tensor dqkv, Tensor dbias)
 
 Shapes, the bias forms, the causal alignment (top-left, as F.scaled_dot_product_attention) and the
 numerics of fully masked rows are documented in transfuse.kernels.attention_train. No dropout.
@@ -19,6 +21,13 @@ through attention_train_fwd (whose backward is the attention_train_bwd op: a gra
 under torch.compile too); being composite, it has no fake implementation of its own (torch refuses
 one). lse is differentiable as
 well: its gradient folds into the backward's delta at no cost.
+
+attention_train_bwd_packed is the same backward writing dq, dk and dv into one (batch, seqlen,
+width) tensor, side by side in `order` (0 = dq, 1 = dk, 2 = dv), each as (seqlen, heads, head_dim)
+rows: the gradient of a fused QKV projection (GPT-2's c_attn, nanoGPT's), which eager concatenates
+from three tensors after the backward (passes/backward_packed_qkv.py puts it in the backward graph).
+grad_k_extra / grad_v_extra: what else k and v receive (Hugging Face's returned KV cache's
+gradients), added before the store.
 
 attention_train_bwd returns an empty (0,) tensor in place of dbias unless bias_needs_grad (a schema
 cannot return None). Double backward is not supported. Optional[...] rather than `X | None` in the
@@ -77,6 +86,62 @@ def _attention_train_bwd_fake(grad_out, q, k, v, bias, out, stats, grad_lse, sca
     kernels.check_attention_train_args(q, k, v, bias, scale)
     dq, dk, dv, dbias = kernels.attention_train_empty_grads(q, k, v, bias, bias_needs_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
+
+
+@torch.library.custom_op("transfuse::attention_train_bwd_packed", mutates_args=())
+def attention_train_bwd_packed(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    stats: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    bias_needs_grad: bool,
+    order: list[int],
+    grad_k_extra: Optional[torch.Tensor] = None,
+    grad_v_extra: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dqkv, dbias): attention_train_bwd's dq, dk + grad_k_extra, dv + grad_v_extra in one (batch,
+    seqlen, width) tensor, in `order`; dbias as attention_train_bwd's."""
+    packed, parts = _packed_grads(q, k, v, order)
+    _, _, _, dbias = kernels.attention_train_bwd(
+        grad_out, q, k, v, bias, out, stats, scale, is_causal, bias_needs_grad, dlse=grad_lse, grads=parts,
+        dk_add=grad_k_extra, dv_add=grad_v_extra)
+    return packed, dbias if dbias is not None else q.new_empty((0,))
+
+
+@attention_train_bwd_packed.register_fake
+def _attention_train_bwd_packed_fake(grad_out, q, k, v, bias, out, stats, grad_lse, scale, is_causal,
+                                     bias_needs_grad, order, grad_k_extra=None, grad_v_extra=None):
+    kernels.check_attention_train_args(q, k, v, bias, scale)
+    packed, _ = _packed_grads(q, k, v, order)
+    dbias = kernels.attention_train_empty_grads(q, k, v, bias, bias_needs_grad, with_qkv=False)[3]
+    return packed, dbias if dbias is not None else q.new_empty((0,))
+
+
+def _packed_grads(q, k, v, order):
+    """(packed, (dq, dk, dv)): a new (batch, seqlen, width) tensor and the three (batch, heads, seqlen,
+    head_dim) views of it the backward writes, laid side by side in `order`."""
+    if sorted(order) != [0, 1, 2]:
+        raise ValueError(f"attention_train_bwd_packed: order must be a permutation of [0, 1, 2], got {order}")
+    like = (q, k, v)
+    batch, seqlen = q.shape[0], q.shape[2]
+    for name, t in zip("qkv", like):
+        torch._check(t.shape[2] == seqlen, lambda: f"attention_train_bwd_packed: q, k and v must have one "
+                                                   f"sequence length (self-attention), {name} differs")
+    widths = [like[i].shape[1] * like[i].shape[3] for i in order]
+    packed = q.new_empty((batch, seqlen, sum(widths)))
+    parts: list = [None, None, None]
+    start = 0
+    for i, width in zip(order, widths):
+        heads, head_dim = like[i].shape[1], like[i].shape[3]
+        parts[i] = packed[:, :, start:start + width].view(batch, seqlen, heads, head_dim).transpose(1, 2)
+        start += width
+    return packed, tuple(parts)
 
 
 def _setup_context(ctx, inputs, output):

@@ -5,8 +5,9 @@ the pre-activation for it.
     linear_train_fwd(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual)
         -> (Tensor out, Tensor pre)
     activation_backward(Tensor grad_out, Tensor pre, str activation) -> Tensor
-    activation_bias_backward(Tensor grad_out, Tensor pre, str activation) -> (Tensor, Tensor)
-    bias_grad(Tensor dy) -> Tensor
+    activation_bias_backward(Tensor grad_out, Tensor pre, str activation, ScalarType? dbias_dtype=None)
+        -> (Tensor, Tensor)
+    bias_grad(Tensor dy, ScalarType? out_dtype=None) -> Tensor
 
 Shapes and activations are transfuse::linear's (transfuse.ops.gemm). With pre = x @ W^T + b
 (fp32 accumulation, rounded to x's dtype) and out = act(pre) + residual:
@@ -95,32 +96,33 @@ def _activation_backward_fake(grad_out, pre, activation):
 
 
 @torch.library.custom_op("transfuse::activation_bias_backward", mutates_args=())
-def activation_bias_backward(grad_out: torch.Tensor, pre: torch.Tensor, activation: str
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(activation_backward's grad_pre, its sum over every row: (pre.shape[-1],) in pre's dtype)."""
-    return kernels.activation_bias_bwd(grad_out, pre, activation)
+def activation_bias_backward(grad_out: torch.Tensor, pre: torch.Tensor, activation: str,
+                             dbias_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activation_backward's grad_pre, its sum over every row: (pre.shape[-1],) in dbias_dtype, pre's
+    when None)."""
+    return kernels.activation_bias_bwd(grad_out, pre, activation, dbias_dtype)
 
 
 @activation_bias_backward.register_fake
-def _activation_bias_backward_fake(grad_out, pre, activation):
+def _activation_bias_backward_fake(grad_out, pre, activation, dbias_dtype=None):
     kernels.check_activation_args(pre, activation, grad_out, "grad_out")
     return (torch.empty(pre.shape, dtype=pre.dtype, device=pre.device),
-            torch.empty((pre.shape[-1],), dtype=pre.dtype, device=pre.device))
+            torch.empty((pre.shape[-1],), dtype=dbias_dtype or pre.dtype, device=pre.device))
 
 
 @torch.library.custom_op("transfuse::bias_grad", mutates_args=())
-def bias_grad(dy: torch.Tensor) -> torch.Tensor:
-    """dy: (..., N), any strides, summed over every dim but the last: (N,) in dy's dtype, fp32
-    accumulation (see kernels.bias_grad)."""
+def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """dy: (..., N), any strides, summed over every dim but the last: (N,) in out_dtype (dy's when
+    None), fp32 accumulation rounded once (see kernels.bias_grad)."""
     if not dy.is_cuda and not INTERPRET:  # a CPU linear_train("none") runs torch's GEMMs too
-        return dy.reshape(-1, dy.shape[-1]).sum(0)
-    return bias_grad_kernels.bias_grad(dy)
+        return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=out_dtype)
+    return bias_grad_kernels.bias_grad(dy, out_dtype)
 
 
 @bias_grad.register_fake
-def _bias_grad_fake(dy):
+def _bias_grad_fake(dy, out_dtype=None):
     torch._check(dy.dim() >= 1, lambda: "dy must be (..., N)")
-    return dy.new_empty((dy.shape[-1],))
+    return dy.new_empty((dy.shape[-1],), dtype=out_dtype or dy.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,6 +94,31 @@ def registry() -> list[Pass]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardPass:
+    name: str
+    pattern: str  # what the report counts it as
+    run: Callable[[fx.GraphModule], int]  # rewrites AOTAutograd's backward graph, returns how many nodes
+    doc: str
+
+
+def backward_registry() -> list[BackwardPass]:
+    """Passes over AOTAutograd's backward graph of a training graph (runtime/training_graphs.py), in
+    order; `disable` names them as it names forward passes."""
+    from transfuse.passes import backward_bias_grad, backward_column_sum, backward_fp32_grads, backward_packed_qkv
+
+    return [
+        BackwardPass("backward_bias_grad", backward_bias_grad.PATTERN, backward_bias_grad.run,
+                     "a column sum of a norm backward's dx -> that kernel's own sum (projection bias gradients)"),
+        BackwardPass("backward_packed_qkv", backward_packed_qkv.PATTERN, backward_packed_qkv.run,
+                     "the cat of an attention backward's dq, dk, dv (a fused QKV linear) -> written in place"),
+        BackwardPass("backward_column_sum", backward_column_sum.PATTERN, backward_column_sum.run,
+                     "any other sum over all dims but the last -> transfuse.bias_grad"),
+        BackwardPass("backward_fp32_grads", backward_fp32_grads.PATTERN, backward_fp32_grads.run,
+                     "a 16-bit weight or bias gradient widened to fp32 -> written in fp32 by its GEMM or sum"),
+    ]
+
+
 def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None:
     for p in registry():
         if p.name in disabled:

@@ -56,14 +56,15 @@ class TrainingGraphs:
     """The compiled training step of one Dynamo graph: call it with the Dynamo graph's inputs."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, static: list[int], cuda_graphs: bool,
-                 why_not: str = "not asked for"):
+                 why_not: str = "not asked for", disabled: frozenset[str] = frozenset()):
         from torch._dynamo.backends.common import aot_autograd
 
         self.static = static  # positions of the parameters among the Dynamo inputs
         self.cuda_graphs = cuda_graphs
         self.skipped: str | None = None if cuda_graphs else why_not  # why CUDA graphs are off, when they are
         self.record = None  # the report's GraphRecord, told when the backward turns graphs off
-        self.backward_rewrites: dict[str, int] = {}  # the backward graph's own pass, for the report
+        self.backward_rewrites: dict[str, int] = {}  # the backward graph's own passes, for the report
+        self.disabled = disabled  # optimize(disable=...): backward passes named there do not run
         self.params: list = []
         self.pooled_ptrs: set[int] = set()  # storages of the backward's outputs since the last forward
         self.pool_owner = None  # weak reference to the tree manager whose pool holds them
@@ -92,14 +93,17 @@ class TrainingGraphs:
     # -- compilers handed to AOTAutograd ------------------------------------------------------
 
     def _rewrite_backward(self, compile_backward: Callable, gm: torch.fx.GraphModule, inputs: list):
-        """The backward graph's own pass (passes/backward_bias_grad.py), counted in the report."""
-        from transfuse.passes import backward_bias_grad
+        """The backward graph's own passes (passes.manager.backward_registry), counted in the report."""
+        from transfuse.passes.manager import backward_registry
 
-        count = backward_bias_grad.run(gm)
-        if count:
-            self.backward_rewrites[backward_bias_grad.PATTERN] = count
-            if self.record is not None:  # None when AOTAutograd compiles the backward at once
-                self.record.rewrites.update(self.backward_rewrites)
+        for p in backward_registry():
+            if p.name in self.disabled:
+                continue
+            count = p.run(gm)
+            if count:
+                self.backward_rewrites[p.pattern] = count
+        if self.backward_rewrites and self.record is not None:  # None when AOTAutograd compiles the backward at once
+            self.record.rewrites.update(self.backward_rewrites)
         return compile_backward(gm, inputs)
 
     def _skip(self, reason: str) -> None:
