@@ -231,3 +231,29 @@ def test_bf16_autocast_gradients_written_in_fp32():
     # sums those with dtype=float32 already)
     assert counts.get("Fp32Gradients") in (10, 16) and counts.get("ColumnSum") == 2, counts
     assert all("Fp32Gradients" not in r.rewrites for r in rounded._transfuse_state.backend.records)
+
+
+def test_a_step_that_runs_out_of_memory_leaves_the_next_ones_working():
+    """A batch too large for the memory left raises torch.OutOfMemoryError inside the graphs; the
+    steps after it (the same shape as before, a new one) record afresh and equal eager autograd. Before,
+    cudagraph trees were left half-recorded and the next step died on an AssertionError inside torch
+    (the train bench's largest-batch search, twentieth session)."""
+    graphs, eager = _models()
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (graphs, eager)]
+    gen = torch.Generator().manual_seed(6)
+    batches = _batches(gen, (4, 32))
+    _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + 2**28) / total, device)
+    try:
+        (x, y), = _batches(gen, (2048, 128), 1)
+        with pytest.raises(torch.OutOfMemoryError):
+            graphs(x, y)[1].backward()
+        del x, y
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    graphs.zero_grad(set_to_none=True)
+    for shape in [(4, 32), (4, 32), (2, 24)]:
+        batches = _batches(gen, shape)
+        _assert_same_step(*(_step(m, o, batches) for m, o in zip((graphs, eager), opts)))

@@ -41,7 +41,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+import traceback
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -336,12 +338,15 @@ def measure(arch: str, provider: str, master: torch.nn.Module, args: argparse.Na
             opt.zero_grad(set_to_none=True)
             last.clear()
             _free(device)
+            print(f"  largest batch search: {row['arch']} {row['provider']} batch {b}: "
+                  f"{'fits' if ok else 'out of memory'}", file=sys.stderr, flush=True)
             return ok
 
         try:
             row["max_batch"], row["max_batch_capped"] = largest_batch(fits, row["batch"], args.max_batch_limit)
         except Exception as e:  # noqa: BLE001 - the timing above still stands
             row["max_batch_error"] = _one_line(e)
+            traceback.print_exc()  # the one line goes into the table; the whole story to stderr
 
 
 def _one_line(e: BaseException) -> str:

@@ -35,6 +35,9 @@ What happens where the graphs cannot simply replay:
 * Outputs live in the trees' memory pool until the next step starts (the first forward after a
   backward): a tensor kept from an earlier step (logits, an unreduced loss) raises on access, as
   under torch.compile(mode="reduce-overhead"); .item() or .clone() it first.
+* A step that raises inside the graphs (out of memory: a batch-size search, a smaller batch retried
+  after an OOM): torch's trees are left half-recorded and would fail the next step, so they are
+  reset and every graph records again at its next call (_reset_trees_after_failure).
 * Gradient accumulation: autograd's AccumulateGrad takes a backward output as `.grad` when nothing
   else holds it, so a `.grad` may live in the pool too and the next step would overwrite it.
   `unpool_grads()`, called before every forward, gives such gradients memory of their own; a loop
@@ -242,8 +245,39 @@ def _cudagraphify(run, gm, inputs, fixed, device_index, is_backward, is_inferenc
     # dynamic dims); at compile time those are SymInts, which it would not see: every size would then
     # replay the first size's recording. A plain int marks their positions.
     inputs = [0 if isinstance(v, torch.SymInt) else v for v in inputs]
-    out = cudagraphify_impl(run, inputs, fixed, device_index=device_index, is_backward=is_backward,
-                            is_inference=is_inference, stack_traces=get_stack_traces(gm),
-                            placeholders=get_placeholder_info(gm.graph), mutated_input_idxs=mutated)
-    out._boxed_call = True
-    return out
+    stack_traces, placeholders = get_stack_traces(gm), get_placeholder_info(gm.graph)
+
+    def build():
+        return cudagraphify_impl(run, inputs, fixed, device_index=device_index, is_backward=is_backward,
+                                 is_inference=is_inference, stack_traces=stack_traces,
+                                 placeholders=placeholders, mutated_input_idxs=mutated)
+
+    state = {"impl": build(), "generation": _TREES[0]}
+
+    def call(args):
+        if state["generation"] != _TREES[0]:  # the trees were reset after a failure: record afresh
+            state["impl"], state["generation"] = build(), _TREES[0]
+        try:
+            return state["impl"](args)
+        except Exception:
+            _reset_trees_after_failure()
+            raise
+
+    call._boxed_call = True
+    return call
+
+
+# How many times the trees were reset after a failed run (see _reset_trees_after_failure).
+_TREES = [0]
+
+
+def _reset_trees_after_failure() -> None:
+    """A run that raised inside cudagraph trees (out of memory, the usual case: a batch-size search,
+    an OOM retried with a smaller batch) leaves the tree half-recorded, and the next step dies on an
+    AssertionError inside torch (dealloc_current_path_weakrefs; bench/results, twentieth session).
+    The trees are reset instead, as torch._dynamo.reset() resets them: every graph records again at
+    its next call, and tensors still held from earlier steps keep their memory until they are freed."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    _TREES[0] += 1
