@@ -1,14 +1,16 @@
 """The backward-graph passes on small hand-built aten graphs (what AOTAutograd hands
-runtime/training_graphs.py): passes/backward_column_sum.py and passes/backward_fp32_grads.py. Whole
-models through them: tests/training/test_training_graphs.py."""
+runtime/training_graphs.py): passes/backward_column_sum.py, backward_fp32_grads.py and
+backward_packed_qkv.py. Whole models through them: tests/training/test_training_graphs.py."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from transfuse.passes import backward_column_sum, backward_fp32_grads
+from transfuse.passes import backward_column_sum, backward_fp32_grads, backward_packed_qkv
 from transfuse.passes.manager import backward_registry
 
 aten = torch.ops.aten
@@ -114,3 +116,54 @@ def test_a_gemm_read_by_anything_else_keeps_its_rounding():
 def test_backward_passes_are_named_for_disable():
     names = [p.name for p in backward_registry()]
     assert names == ["backward_bias_grad", "backward_packed_qkv", "backward_column_sum", "backward_fp32_grads"]
+
+
+def _attention_backward_graph(addend_after_dbias_read: bool):
+    """attention_train_bwd's dq, dk (plus an addend, as a returned cache's gradient) and dv through
+    HF GPT-2's views into one cat, its dbias read by a node between the backward and the cat."""
+    from transfuse.kernels.attention_train import attention_train_fwd
+
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, d = 1, 5, 2, 4
+    q, k, v = (torch.randn(b, t, h, d, generator=gen).transpose(1, 2) for _ in range(3))
+    bias = torch.randn(1, h, t, t, generator=gen)
+    out, _, stats = attention_train_fwd(q, k, v, bias, 0.5, True)
+    grad_out, extra = torch.randn(out.shape, generator=gen), torch.randn(k.shape, generator=gen)
+    ops = torch.ops.transfuse
+
+    def build(g, do, q_, k_, v_, bias_, out_, stats_, extra_):
+        bwd = g.call_function(ops.attention_train_bwd.default,
+                              (do, q_, k_, v_, bias_, out_, stats_, None, 0.5, True, True))
+        dq, dk, dv, dbias = (g.call_function(operator.getitem, (bwd, i)) for i in range(4))
+        if not addend_after_dbias_read:
+            extra_ = g.call_function(aten.mul.Tensor, (extra_, 1.0))
+        dbias_read = g.call_function(aten.mul.Tensor, (dbias, 2.0))
+        if addend_after_dbias_read:
+            extra_ = g.call_function(aten.mul.Tensor, (extra_, 1.0))
+        dk = g.call_function(aten.add.Tensor, (extra_, dk))
+        parts = []
+        for grad in (dq, dk, dv):
+            moved = g.call_function(aten.transpose.int, (grad, 1, 2))
+            if grad is dk:
+                moved = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+            parts.append(g.call_function(aten.view.default, (moved, [b, t, h * d])))
+        return g.call_function(aten.cat.default, (parts, 2)), dbias_read
+
+    inputs = (grad_out, q, k, v, bias, out, stats, extra)
+    return _graph(build, *inputs), inputs
+
+
+def test_fused_qkv_gradient_is_written_in_place_after_its_last_input():
+    import copy
+
+    gm, inputs = _attention_backward_graph(addend_after_dbias_read=False)
+    before = copy.deepcopy(gm)
+    assert backward_packed_qkv.run(gm) == 1
+    targets = _targets(gm)
+    assert aten.cat.default not in targets and aten.clone.default not in targets
+    assert torch.ops.transfuse.attention_train_bwd_packed.default in targets
+    for ours, theirs in zip(gm(*inputs), before(*inputs)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # dk's addend is computed after dbias is read: the packed op could not precede that read
+    gm, _ = _attention_backward_graph(addend_after_dbias_read=True)
+    assert backward_packed_qkv.run(gm) == 0 and aten.cat.default in _targets(gm)

@@ -47,10 +47,20 @@ def run(gm: fx.GraphModule) -> int:
         if matched is None:
             continue
         bwd, order, chains, extras = matched
-        with gm.graph.inserting_before(node):
+        # The packed op goes right after its last input (the backward, or an addend computed
+        # later), so that whatever reads dbias between the backward and the cat still comes after
+        # it; where a reader comes earlier than that, the graph stays as it is.
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        last = max([bwd] + [e for e in extras.values() if e is not None], key=position.__getitem__)
+        dbias = [u for u in bwd.users if u.args[1] == 3]
+        if any(position[reader] <= position[last] for u in dbias for reader in u.users):
+            continue
+        with gm.graph.inserting_after(last):
             packed = gm.graph.call_function(torch.ops.transfuse.attention_train_bwd_packed.default,
                                             (*bwd.args, order, extras[1], extras[2]))
+        with gm.graph.inserting_after(packed):
             dqkv = gm.graph.call_function(operator.getitem, (packed, 0))
+            new_dbias = gm.graph.call_function(operator.getitem, (packed, 1)) if dbias else None
         dqkv.meta["val"] = node.meta["val"]
         old = bwd.meta.get("val")
         if isinstance(old, (tuple, list)) and len(old) == 4:
@@ -60,8 +70,10 @@ def run(gm: fx.GraphModule) -> int:
         for chain in chains:  # view <- [clone] <- transpose <- [add] <- getitem, now unused
             for link in chain:
                 gm.graph.erase_node(link)
-        for user in list(bwd.users):  # dbias, if anything reads it
-            user.args = (packed, 1)
+        for old_dbias in dbias:  # read by nodes after the packed op (checked above)
+            new_dbias.meta.update(old_dbias.meta)
+            old_dbias.replace_all_uses_with(new_dbias)
+            gm.graph.erase_node(old_dbias)
         gm.graph.erase_node(bwd)
         count += 1
     if count:
