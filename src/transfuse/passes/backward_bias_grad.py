@@ -22,6 +22,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from transfuse.passes.backward_column_sum import is_column_sum, replace_column_sum
+
 PATTERN = "BiasGradInNormBackward"
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
@@ -39,12 +41,7 @@ def run(gm: fx.GraphModule) -> int:
         if _arg(norm_bwd, _COMPUTE_DX_SUM, False) and _arg(norm_bwd, _DX_SUM_DTYPE, None) != result.dtype:
             continue  # a second sum of the same dx, in another dtype: left as it is
         dx_sum = _dx_sum_output(gm.graph, norm_bwd, result.new_empty((result.shape[-1],)))
-        with gm.graph.inserting_after(dx_sum):
-            new = dx_sum if result.dim() == 1 else gm.graph.call_function(
-                torch.ops.aten.view.default, (dx_sum, [int(s) for s in result.shape]))
-        new.meta["val"] = result
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        replace_column_sum(gm.graph, node, dx_sum)
         count += 1
     if count:
         gm.graph.lint()
@@ -54,19 +51,10 @@ def run(gm: fx.GraphModule) -> int:
 
 def _summed_norm_backward(node: fx.Node) -> fx.Node | None:
     """The layer_norm_backward node whose dx `node` sums over every row (keeping the last dim), or None."""
-    if node.op != "call_function" or node.target is not torch.ops.aten.sum.dim_IntList:
+    if not is_column_sum(node):
         return None
-    if set(node.kwargs) - {"dtype"} or len(node.args) < 2:
-        return None
-    src, dims = node.args[0], node.args[1]
-    result, summed = node.meta.get("val"), getattr(src, "meta", {}).get("val")
-    if not isinstance(result, torch.Tensor) or not isinstance(summed, torch.Tensor) or summed.dim() < 2:
-        return None
-    if sorted(d % summed.dim() for d in dims) != list(range(summed.dim() - 1)):
-        return None  # not every dim but the last
-    if not result.dtype.is_floating_point or not all(isinstance(s, int) for s in result.shape):
-        return None
-    base = src
+    base = node.args[0]
+    summed = base.meta["val"]
     while isinstance(base, fx.Node) and base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
     if not (isinstance(base, fx.Node) and base.op == "call_function" and base.target is operator.getitem

@@ -30,17 +30,14 @@ def run(gm: fx.GraphModule) -> int:
     """Rewrites every sum over all dims but the last of a floating tensor; returns how many."""
     count = 0
     for node in list(gm.graph.nodes):
-        if not _is_column_sum(node):
+        if not is_column_sum(node) or node.args[0].meta["val"].dtype not in _FLOATS \
+                or node.meta["val"].dtype not in _FLOATS:  # the kernel's dtypes
             continue
         result = node.meta["val"]
         with gm.graph.inserting_before(node):
             summed = gm.graph.call_function(torch.ops.transfuse.bias_grad.default, (node.args[0], result.dtype))
-            summed.meta["val"] = result.new_empty((result.shape[-1],))
-            new = summed if result.dim() == 1 else gm.graph.call_function(
-                torch.ops.aten.view.default, (summed, [int(s) for s in result.shape]))
-        new.meta["val"] = result
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        summed.meta["val"] = result.new_empty((result.shape[-1],))
+        replace_column_sum(gm.graph, node, summed)
         count += 1
     if count:
         gm.graph.lint()
@@ -48,7 +45,10 @@ def run(gm: fx.GraphModule) -> int:
     return count
 
 
-def _is_column_sum(node: fx.Node) -> bool:
+def is_column_sum(node: fx.Node) -> bool:
+    """Whether node is `aten.sum.dim_IntList(x, every dim of x but the last, keepdim[, dtype])` of a
+    floating x of 2 dims or more, with a static result shape (the rows may be symbolic: a dynamic
+    batch). Also passes/backward_bias_grad.py's match."""
     if node.op != "call_function" or node.target is not torch.ops.aten.sum.dim_IntList:
         return False
     if set(node.kwargs) - {"dtype"} or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
@@ -61,7 +61,18 @@ def _is_column_sum(node: fx.Node) -> bool:
         return False
     if sorted(d % summed.dim() for d in dims) != list(range(summed.dim() - 1)):
         return False  # not every dim but the last
-    if summed.dtype not in _FLOATS or result.dtype not in _FLOATS:
+    if not summed.dtype.is_floating_point or not result.dtype.is_floating_point:
         return False
-    # The rows may be symbolic (a dynamic batch); the result's shape is the view back to keepdim's.
     return all(isinstance(s, int) for s in result.shape)
+
+
+def replace_column_sum(graph: fx.Graph, node: fx.Node, flat: fx.Node) -> None:
+    """Replaces the column sum `node` by `flat`, its (N,) result computed elsewhere (viewed back to
+    keepdim's shape where node kept its dims), and erases node."""
+    result = node.meta["val"]
+    with graph.inserting_after(flat):
+        new = flat if result.dim() == 1 else graph.call_function(
+            torch.ops.aten.view.default, (flat, [int(s) for s in result.shape]))
+    new.meta["val"] = result
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)

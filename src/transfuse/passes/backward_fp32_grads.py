@@ -40,7 +40,7 @@ _LAYOUT = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten
 
 
 def run(gm: fx.GraphModule) -> int:
-    """Rewrites every widening cast of a 16-bit mm or bias_grad result; returns how many."""
+    """Rewrites every widening cast of a 16-bit mm or column-sum result (see _widened_chain); returns how many."""
     count = 0
     for node in list(gm.graph.nodes):
         chain = _widened_chain(node)
