@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
 from transfuse.kernels._config import INTERPRET
+from transfuse.ops.cross_entropy import attach_returned_logits
 from transfuse.passes.graph import static_inputs, written_inputs
 from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
@@ -147,6 +148,7 @@ class Backend:
         # Dynamo keeps every backend alive for the life of the process (torch._dynamo.eval_frame's
         # cached_backends): what holds memory (graph, CUDA graphs, merged weights) sits in a slot
         # that release() empties once the model is gone.
+        returned_logits = list(ctx.returned_logits)
         slot = self._slots
         slot.append((runner, merged))
         index = len(slot) - 1
@@ -167,7 +169,8 @@ class Backend:
             if training:
                 # One autograd node for the whole graph (TrainingGraphs), or autograd recording
                 # through the graph's ops (ours have backward formulas).
-                return runner(*args)
+                out = runner(*args)
+                return attach_returned_logits(out, args, returned_logits) if returned_logits else out
             with torch.no_grad():
                 return runner(*args)
 

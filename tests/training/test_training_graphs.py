@@ -134,6 +134,45 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     assert _rewrites(model)["PackedQKVGrad"] == {"nanogpt": 2, "gpt2": 2, "llama": 0}[family]
 
 
+@pytest.mark.parametrize("family", ["nanogpt", "gpt2"])
+def test_returned_logits_get_their_gradient_outside_the_graph(family, monkeypatch):
+    """The logits a model returns next to its loss leave the graph without a gradient: AOTAutograd's
+    backward has no (rows, V) tangent to fill with zeros. Backpropagating the loss alone, and the
+    loss plus a term of the logits (ReturnedLogits' backward, joining the graph's through x), give
+    eager's gradients."""
+    model = {"nanogpt": _nanogpt, "gpt2": _hf_gpt2}[family]()
+    reference = copy.deepcopy(model)
+    tangents = []
+    plain = training_graphs._plain
+
+    def record(gm, inputs):
+        tangents.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes
+                        if n.op == "placeholder" and n.name.startswith("tangents"))
+        return plain(gm, inputs)
+
+    monkeypatch.setattr(training_graphs, "_plain", record)
+    transfuse.optimize(model, training_graphs=True)
+    ids = torch.randint(0, 97, (2, 11))
+    for with_logits in (False, True):
+        for m in (model, reference):
+            logits, loss = _step_without_backward(m, ids, ids.roll(-1, 1))
+            (loss + (logits * logits.detach().sign()).mean() if with_logits else loss).backward()
+        errors = _grad_errors(model, reference)
+        assert len(errors) == len(list(reference.parameters()))
+        assert max(errors.values()) < 1e-4, (with_logits, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+    assert _rewrites(model)["ReturnedLogits"] == 1
+    assert tangents and not any(shape and shape[-1] == 97 for shape in tangents), tangents
+
+
+def _step_without_backward(model, ids, targets):
+    if isinstance(model, GPT):
+        return model(ids, targets)
+    out = model(input_ids=ids, labels=targets)
+    return out.logits, out.loss
+
+
 def test_dropout_draws_the_same_masks_as_eager():
     """native_dropout stays in the forward graph, drawing from the default generator in eager's
     order; its mask is saved for the backward (no draw there)."""

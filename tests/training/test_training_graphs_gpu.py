@@ -104,6 +104,29 @@ def test_steps_equal_eager_autograd_and_replay_without_capturing(captures):
     assert after[2] == after[1], after
 
 
+def test_returned_logits_differentiated_under_cuda_graphs(captures):
+    """nanoGPT's returned logits leave the graphs without a gradient (ReturnedLogits); a loss that
+    also reads them gets their gradient outside, from the replayed graphs' x output, at every step."""
+    graphs, eager = _models()
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x, y = _batches(gen, (4, 32), 1)[0]
+        grads = []
+        for m in (graphs, eager):
+            logits, loss = m(x, y)
+            (loss + (logits.float() ** 2).mean() * (step % 2)).backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+            m.zero_grad(set_to_none=True)
+        for name, g in grads[0].items():
+            r = grads[1][name]
+            assert ((g - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-3, (step, name)
+    counts = {}
+    for record in graphs._transfuse_state.backend.records:
+        counts.update(record.rewrites)
+    assert counts.get("ReturnedLogits") == 1, counts
+    assert captures[0] > 0
+
+
 def test_new_batch_shape_records_once_and_the_old_one_still_replays(captures):
     graphs, eager = _models()
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (graphs, eager)]

@@ -318,17 +318,20 @@ def linear_logits_cross_entropy_op(
     reduction: str,
     pad_vocab_to: int,
     needs_grad: bool,
+    logits_differentiable: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, loss, lse): logits = F.linear(x, weight, bias) as (rows, V) contiguous in x's dtype,
     loss = F.cross_entropy(logits.float(), target, ...) in fp32, and lse (rows,) fp32 the rows'
     log-sum-exp for the backward (an empty (0,) tensor without needs_grad), not differentiable.
-    See kernels.cross_entropy.linear_logits_cross_entropy_fwd."""
+    logits_differentiable=False: the logits are not differentiable either (their gradient is
+    attached outside the graph, ReturnedLogits). See kernels.cross_entropy.linear_logits_cross_entropy_fwd."""
     return kernels.linear_logits_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction,
                                                    pad_vocab_to, needs_grad)
 
 
 @linear_logits_cross_entropy_op.register_fake
-def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad):
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad,
+      logits_differentiable=True):
     kernels.check_linear_cross_entropy_args(x, weight, bias, target, ignore_index, label_smoothing, reduction,
                                             pad_vocab_to, 0)
     lse = x.new_empty((x.shape[0],), dtype=torch.float32) if needs_grad else x.new_empty((0,))
@@ -368,7 +371,7 @@ def _(grad_loss, grad_logits, logits, lse, x, weight, bias, target, ignore_index
 
 
 def _setup_context_logits(ctx, inputs, output):
-    x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad = inputs
+    x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad = inputs[:9]
     logits, _, lse = output
     # The returned logits, not the padded buffer they were copied from: that buffer is freed after the
     # forward, and the user holds the logits anyway. Modifying them in place before backward() is then
@@ -377,7 +380,10 @@ def _setup_context_logits(ctx, inputs, output):
     ctx.settings = (ignore_index, label_smoothing, reduction, pad_vocab_to)
     ctx.has_bias = bias is not None
     ctx.computed = needs_grad
+    ctx.rest = len(inputs) - 3  # inputs without a gradient: target, the settings, the flags
     ctx.mark_non_differentiable(lse)
+    if len(inputs) > 9 and not inputs[9]:
+        ctx.mark_non_differentiable(logits)
     # A logits output that nothing differentiates (the usual case: the loss alone is backpropagated)
     # arrives as None, not as a (rows, V) tensor of zeros to be read. (AOTAutograd's compiled
     # backward still receives zeros there: its autograd.Function materialises every tangent.)
@@ -388,7 +394,7 @@ def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_lse):
     x, weight, bias, target, logits, lse = ctx.saved_tensors
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     needs_bias = needs_bias and ctx.has_bias
-    nones = (None,) * 6
+    nones = (None,) * ctx.rest
     if not (needs_x or needs_weight or needs_bias) or (grad_logits is None and grad_loss is None):
         return None, None, None, *nones
     if grad_loss is not None and not ctx.computed:
@@ -412,15 +418,63 @@ def linear_logits_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     pad_vocab_to: int = 0,
+    logits_differentiable: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(x, weight, bias), F.cross_entropy(that.float() viewed as (rows, V), target, ...)) for
     x: (..., H) and target with as many elements as x has rows: the logits come back (..., V) and
     contiguous, the loss fp32 ('none': target's shape). The loss's gradient w.r.t. the logits is
-    computed in the forward pass only when grad mode is on and x, weight or bias requires grad."""
+    computed in the forward pass only when grad mode is on and x, weight or bias requires grad.
+    logits_differentiable=False returns logits that do not require grad (ReturnedLogits gives them
+    their gradient outside a compiled graph)."""
     hidden = x.shape[-1]
     needs_grad = any(_grads_wanted(x, weight, bias))
     logits, loss, _ = torch.ops.transfuse.linear_logits_cross_entropy(
         x.reshape(-1, hidden), weight, bias, target.reshape(-1), ignore_index, label_smoothing, reduction,
-        pad_vocab_to, needs_grad)
+        pad_vocab_to, needs_grad, logits_differentiable)
     logits = logits.view(*x.shape[:-1], weight.shape[0])
     return logits, (loss.reshape(target.shape) if reduction == "none" else loss)
+
+
+class ReturnedLogits(torch.autograd.Function):
+    """The gradient of logits returned by a training graph whose loss is computed inside it, attached
+    outside the graph: ReturnedLogits.apply(logits, x, weight, bias) is `logits` (a view) with
+    F.linear(x, weight, bias)'s backward (autocast's rule: x's dtype for the products, each
+    gradient cast to its input's dtype).
+
+    Why outside: AOTAutograd's compiled backward takes a gradient for every differentiable output and
+    materialises the missing ones as zeros. The usual step backpropagates the loss alone, and the
+    returned logits' zeros were a (rows, V) tensor filled, copied into the CUDA graph's input and read
+    every step (GPT-2 at 8 x 1024 tokens: 0.8 GB each). Returned from the graph without a gradient
+    and given one here, they cost nothing unless the user differentiates them; then autograd runs
+    this backward, and its grad_x joins the graph's own backward through x, a graph output."""
+
+    @staticmethod
+    def forward(ctx, logits, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1]).to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_x = (rows @ weight.to(x.dtype)).view(x.shape)
+        if ctx.needs_input_grad[2]:
+            grad_weight = (rows.t() @ x2).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_bias = rows.sum(0).to(bias.dtype)
+        return None, grad_x, grad_weight, grad_bias
+
+
+def attach_returned_logits(outputs, args, heads: list) -> tuple | list:
+    """A training graph's outputs with each (logits position, x position, weight index, bias index)
+    of `heads` applied (ReturnedLogits; weight and bias are the graph's inputs `args`), and the x
+    outputs, which the pass appended after the graph's own, dropped."""
+    out = list(outputs)
+    for logits_at, x_at, weight_at, bias_at in heads:
+        bias = args[bias_at] if bias_at is not None else None
+        out[logits_at] = ReturnedLogits.apply(out[logits_at], out[x_at], args[weight_at], bias)
+    out = out[:len(out) - len(heads)]
+    return tuple(out) if isinstance(outputs, tuple) else out

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from transfuse.ops.cross_entropy import linear_cross_entropy, linear_logits_cross_entropy
-from transfuse.passes.graph import arg, cast_to, kind, single_user, tensor_meta
+from transfuse.passes.graph import arg, cast_to, kind, remove_dead_code, single_user, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "CrossEntropy"
@@ -179,10 +179,35 @@ def _fuse_returned_head(ctx: PassContext, ce: fx.Node, linear: fx.Node, target: 
     ce.replace_all_uses_with(loss)
     graph.erase_node(ce)
     graph.erase_node(linear)
+    remove_dead_code(graph)  # the views that fed the loss
+    _return_logits_outside(ctx, pair, logits, x, weight, bias)
     ctx.matched(PATTERN)
     if pad:
         ctx.matched("VocabPadding")
     return True
+
+
+def _return_logits_outside(ctx: PassContext, pair: fx.Node, logits: fx.Node, x: fx.Node, weight: fx.Node,
+                           bias: fx.Node | None) -> None:
+    """When the graph returns the logits and nothing else in it reads them, they leave the graph
+    without a gradient and get it outside (ops.cross_entropy.ReturnedLogits, from x, which becomes
+    a graph output, and the weight and bias inputs): a step that backpropagates the loss alone then
+    never forms the (rows, V) zeros AOTAutograd would hand the backward for them."""
+    graph = ctx.gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = output.args[0]
+    weight_at = ctx.placeholder_index(weight)
+    bias_at = ctx.placeholder_index(bias) if isinstance(bias, fx.Node) else None
+    if (set(logits.users) != {output} or not isinstance(returned, (tuple, list)) or x.op == "placeholder"
+            or weight_at is None or (bias is not None and bias_at is None)):
+        return
+    positions = [i for i, value in enumerate(returned) if value is logits]
+    if len(positions) != 1:
+        return
+    pair.kwargs = {**pair.kwargs, "logits_differentiable": False}
+    output.args = (type(returned)([*returned, x]),)
+    ctx.returned_logits.append((positions[0], len(returned), weight_at, bias_at))
+    ctx.matched("ReturnedLogits")
 
 
 def run(ctx: PassContext) -> None:

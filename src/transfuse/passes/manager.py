@@ -39,6 +39,10 @@ class PassContext:
     rejections: list[Rejection] = dataclasses.field(default_factory=list)
     # Weight groups merged into one buffer: the runtime keeps them current (see runtime/weights.py).
     merged_weights: list = dataclasses.field(default_factory=list)
+    # LM heads whose returned logits get their gradient outside the graph: (logits output position,
+    # x output position, weight input position, bias input position or None), for
+    # ops.cross_entropy.attach_returned_logits; the x outputs come after the graph's own.
+    returned_logits: list = dataclasses.field(default_factory=list)
     _placeholders: dict | None = None  # placeholder node -> input position (placeholders never move)
 
     def matched(self, pattern: str, count: int = 1) -> None:
@@ -47,13 +51,18 @@ class PassContext:
     def reject(self, pattern: str, node: fx.Node, reason: str) -> None:
         self.rejections.append(Rejection(pattern, node.name, reason))
 
-    def placeholder_value(self, node: fx.Node) -> torch.Tensor | None:
-        """The real tensor a placeholder stands for at compile time (parameters, buffers)."""
+    def placeholder_index(self, node: fx.Node) -> int | None:
+        """The input position of a placeholder (None for any other node)."""
         if node.op != "placeholder":
             return None
         if self._placeholders is None:
             self._placeholders = {n: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
-        value = self.example_inputs[self._placeholders[node]]
+        return self._placeholders[node]
+
+    def placeholder_value(self, node: fx.Node) -> torch.Tensor | None:
+        """The real tensor a placeholder stands for at compile time (parameters, buffers)."""
+        index = self.placeholder_index(node)
+        value = self.example_inputs[index] if index is not None else None
         return value if isinstance(value, torch.Tensor) else None
 
 
