@@ -20,8 +20,14 @@ venv: $(VENV)/.installed
 
 # One pytest worker per core (pytest-xdist): the CPU suite runs Triton's interpreter, single-threaded
 # per test; on CI's 2 cores this halves the run (755 -> 342 s of pytest, 2026-11-22).
+# PYTHONDONTWRITEBYTECODE= : where the environment sets it (this one does), every process compiled
+# the source of torch and transformers again on import: 12-16 s of each worker and of each test's
+# subprocess (cProfile, 2026-11-27). worksteal: an idle worker takes queued tests from a busy one,
+# so the slow model tests at the end do not leave one core idle. no:logging: pytest's log capture
+# also attaches to torch's structured-trace logger, which then formats every Dynamo compile event
+# (5% of a model test).
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto -m "not gpu" tests
+	PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto --dist worksteal -p no:logging -m "not gpu" tests
 
 test-gpu:
 	PYTHONPATH=src python3 -m pytest -q -m gpu tests

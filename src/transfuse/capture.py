@@ -108,12 +108,13 @@ def _check_model(model: torch.nn.Module) -> None:
 
 
 def _check_disable(disable) -> None:
+    from transfuse.passes import recompute_activations
     from transfuse.passes.manager import backward_registry, registry
 
     if isinstance(disable, str):
         raise TransfuseError(f"transfuse.optimize: disable takes a list of pass names, got the string {disable!r}; "
                              f"write disable=({disable!r},)")
-    known = {p.name for p in registry()} | {p.name for p in backward_registry()}
+    known = {p.name for p in registry()} | {p.name for p in backward_registry()} | {recompute_activations.NAME}
     unknown = sorted(set(disable) - known)
     if unknown:
         raise TransfuseError(f"transfuse.optimize: no pass is named {', '.join(map(repr, unknown))}; "

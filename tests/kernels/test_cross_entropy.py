@@ -473,6 +473,49 @@ def test_logits_grad(case, dtype):
     torch.testing.assert_close(out.double(), expected.to(dtype).double(), rtol=tol, atol=tol)
 
 
+def test_logits_grad_by_column_chunks():
+    """Columns [col_start, col_end) of the gradient, the last chunk reaching into the padding: the
+    same values as those columns of the whole."""
+    from transfuse.kernels.cross_entropy import cross_entropy_logits_grad
+
+    rows, vocab, padded = 13, 97, 128
+    logits = torch.randn(rows, vocab) * 3
+    target = torch.randint(0, vocab, (rows,))
+    target[::5] = -100
+    lse = torch.logsumexp(logits, dim=1)
+    grad_logits = torch.randn(rows, vocab)
+    whole = cross_entropy_logits_grad(logits, lse, target, -100, 0.1, torch.tensor(0.5), grad_logits, padded)
+    for start, end in [(0, 48), (48, 96), (96, 128)]:
+        part = cross_entropy_logits_grad(logits, lse, target, -100, 0.1, torch.tensor(0.5), grad_logits, padded,
+                                         start, end)
+        assert part.shape == (rows, end - start) and torch.equal(part, whole[:, start:end]), (start, end)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_returning_head_by_chunks_equals_one_chunk(bias):
+    """linear_logits_cross_entropy_fwd by row chunks and its backward by column chunks (grad_x summed
+    over them in fp32) give what one chunk gives."""
+    from transfuse.kernels.cross_entropy import linear_logits_cross_entropy_bwd, linear_logits_cross_entropy_fwd
+
+    rows, hidden, vocab = 23, 16, 150
+    x = torch.randn(rows, hidden)
+    weight, b = torch.randn(vocab, hidden) * 0.3, (torch.randn(vocab) if bias else None)
+    target = torch.randint(0, vocab, (rows,))
+    target[::6] = -100
+    args = (x, weight, b, target, -100, 0.1, "mean", 64, True)
+    logits, loss, lse = linear_logits_cross_entropy_fwd(*args)
+    logits_c, loss_c, lse_c = linear_logits_cross_entropy_fwd(*args, chunk_rows=5)
+    for ours, whole in ((logits_c, logits), (lse_c, lse), (loss_c, loss)):  # the CPU GEMM blocks by M
+        torch.testing.assert_close(ours, whole, rtol=1e-6, atol=1e-6)
+    grads = [linear_logits_cross_entropy_bwd(torch.tensor(1.0), torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)),
+                                             logits, lse, x, weight, b, target, -100, 0.1, "mean", 64, True, True, bias,
+                                             chunk_cols=cols) for cols in (0, 64)]
+    (gx, gw, gb), (gx_c, gw_c, gb_c) = grads
+    torch.testing.assert_close(gx_c, gx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw_c, gw, rtol=1e-6, atol=1e-6)
+    assert not bias or torch.equal(gb_c, gb)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("logits_grad", [False, True], ids=["loss-only", "logits-grad"])
 @pytest.mark.parametrize("reduction,label_smoothing", [("mean", 0.0), ("mean", 0.1), ("sum", 0.0), ("none", 0.0)])

@@ -132,6 +132,8 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     assert ("bias gradients (in the norm backward)" in report) == (family != "llama"), report
     # one QKV linear: the attention backward writes its gradient in place (Llama has three linears)
     assert _rewrites(model)["PackedQKVGrad"] == {"nanogpt": 2, "gpt2": 2, "llama": 0}[family]
+    # the MLP's activation (GELU; Llama's silu(gate) * up) recomputed in the backward, not saved
+    assert _rewrites(model)["RecomputedActivation"] == 2
 
 
 @pytest.mark.parametrize("family", ["nanogpt", "gpt2"])

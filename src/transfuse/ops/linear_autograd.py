@@ -83,6 +83,20 @@ def _linear_train_fwd_fake(x, weight, bias, activation, residual):
     return x.new_empty((*x.shape[:-1], n_out)), pre
 
 
+@torch.library.custom_op("transfuse::activation", mutates_args=())
+def activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(pre) as linear_train_fwd computes its first output without a residual (the same kernel,
+    so the same bits): a training step's backward recomputes it from the saved pre
+    (passes/recompute_activations.py) instead of keeping both from the forward."""
+    return kernels.activation_fwd(pre, activation, None)
+
+
+@activation.register_fake
+def _activation_fake(pre, activation):
+    n = kernels.check_activation_args(pre, activation, None, "residual")
+    return pre.new_empty((*pre.shape[:-1], n))
+
+
 @torch.library.custom_op("transfuse::activation_backward", mutates_args=())
 def activation_backward(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
     """grad_out * act'(pre), pre's shape and dtype, contiguous (see kernels.activation_backward)."""

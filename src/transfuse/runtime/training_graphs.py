@@ -78,7 +78,7 @@ class TrainingGraphs:
             fw = bw = _plain
         inference = functools.partial(fw, is_inference=True) if cuda_graphs else fw
         compiler = aot_autograd(fw_compiler=fw, bw_compiler=functools.partial(self._rewrite_backward, bw),
-                                inference_compiler=inference)
+                                inference_compiler=inference, partition_fn=self._partition)
         self.fn = compiler(gm, example_inputs)
 
     def describe(self) -> str:
@@ -94,6 +94,19 @@ class TrainingGraphs:
         return self.fn(*args)
 
     # -- compilers handed to AOTAutograd ------------------------------------------------------
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        """AOTAutograd's default partition of the joint graph, after it is told what the backward
+        recomputes instead of the forward saving it (passes/recompute_activations.py; in the report)."""
+        from torch._functorch.partitioners import default_partition
+
+        from transfuse.passes import recompute_activations
+
+        if recompute_activations.NAME not in self.disabled:
+            count = recompute_activations.run(joint)
+            if count:
+                self.backward_rewrites[recompute_activations.PATTERN] = count
+        return default_partition(joint, joint_inputs, **kwargs)
 
     def _rewrite_backward(self, compile_backward: Callable, gm: torch.fx.GraphModule, inputs: list):
         """The backward graph's own passes (passes.manager.backward_registry), counted in the report."""
