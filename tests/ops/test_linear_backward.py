@@ -26,6 +26,7 @@ SCHEMAS = {
     "activation_bias_backward": "transfuse::activation_bias_backward(Tensor grad_out, Tensor pre, str activation, "
     "ScalarType? dbias_dtype=None) -> (Tensor, Tensor)",
     "bias_grad": "transfuse::bias_grad(Tensor dy, ScalarType? out_dtype=None) -> Tensor",
+    "activation": "transfuse::activation(Tensor pre, str activation) -> Tensor",
 }
 # dtype, atol added to twice torch's own max error, as a fraction of the gradient's largest value
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
@@ -92,6 +93,30 @@ def test_activation_fwd_matches_reference(activation, dtype, atol, has_residual)
     err_ours = (ours.float() - gold).abs().max().item()
     err_torch = (eager.float() - gold).abs().max().item()
     assert err_ours <= 2 * err_torch + atol * gold.abs().max().item(), (err_ours, err_torch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_fwd_gpu_tiles_match_reference(activation):
+    """The GPU's 128-column tiles (activation_fwd_config) at a shape crossing both tile edges, bf16,
+    and the recompute op giving the forward's bits."""
+    pre = _pre((3, 1001), 3000 + 7, activation, torch.bfloat16).cuda()
+    ours = activation_fwd(pre, activation)
+    gold = activation_ref(pre, activation, None, upcast=True)
+    eager = activation_ref(pre, activation, None)
+    err_ours = (ours.float() - gold).abs().max().item()
+    err_torch = (eager.float() - gold).abs().max().item()
+    assert err_ours <= 2 * err_torch + 1e-2 * gold.abs().max().item(), (err_ours, err_torch)
+    assert torch.equal(ops.activation(pre, activation), ours)
+
+
+def test_activation_op_is_the_forward_kernel():
+    """transfuse.activation (what the backward recomputes) is bit for bit linear_train_fwd's output."""
+    x, w, b = _randn((5, 8), torch.float32), _randn((12, 8), torch.float32), _randn((12,), torch.float32)
+    for activation in ("gelu", "silu_mul"):
+        out, pre = ops.linear_train_fwd(x, w, b, activation, None)
+        assert torch.equal(ops.activation(pre, activation), out)
 
 
 def test_activation_kernels_reject_bad_shapes():
