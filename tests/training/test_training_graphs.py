@@ -136,8 +136,8 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     assert _rewrites(model)["RecomputedActivation"] == 2
 
 
-@pytest.mark.parametrize("family", ["nanogpt", "gpt2"])
-def test_returned_logits_get_their_gradient_outside_the_graph(family, monkeypatch):
+@pytest.mark.parametrize("family,graphs", [("nanogpt", True), ("gpt2", True), ("nanogpt", False)])
+def test_returned_logits_get_their_gradient_outside_the_graph(family, graphs, monkeypatch):
     """The logits a model returns next to its loss leave the graph without a gradient: AOTAutograd's
     backward has no (rows, V) tangent to fill with zeros. Backpropagating the loss alone, and the
     loss plus a term of the logits (ReturnedLogits' backward, joining the graph's through x), give
@@ -153,7 +153,7 @@ def test_returned_logits_get_their_gradient_outside_the_graph(family, monkeypatc
         return plain(gm, inputs)
 
     monkeypatch.setattr(training_graphs, "_plain", record)
-    transfuse.optimize(model, training_graphs=True)
+    transfuse.optimize(model, training_graphs=graphs)  # False: eager autograd through the graph's ops
     ids = torch.randint(0, 97, (2, 11))
     for with_logits in (False, True):
         for m in (model, reference):
@@ -165,7 +165,8 @@ def test_returned_logits_get_their_gradient_outside_the_graph(family, monkeypatc
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
     assert _rewrites(model)["ReturnedLogits"] == 1
-    assert tangents and not any(shape and shape[-1] == 97 for shape in tangents), tangents
+    assert not any(shape and shape[-1] == 97 for shape in tangents), tangents
+    assert bool(tangents) == graphs
 
 
 def _step_without_backward(model, ids, targets):
