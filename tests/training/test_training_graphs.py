@@ -169,6 +169,23 @@ def test_returned_logits_get_their_gradient_outside_the_graph(family, graphs, mo
     assert bool(tangents) == graphs
 
 
+@pytest.mark.parametrize("disable", [(), ("recompute_activations",)])
+def test_activation_recomputed_in_the_backward_unless_disabled(disable):
+    """Linear -> GELU -> Linear: the GELU output is recomputed in the backward from the saved
+    pre-activation (RecomputedActivation), or saved as before when the pass is disabled; the
+    gradients are eager's either way."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    reference = copy.deepcopy(mlp)
+    transfuse.optimize(mlp, training_graphs=True, disable=disable)
+    x = torch.randn(3, 5, 16)
+    for m in (mlp, reference):
+        (m(x) * torch.linspace(-1, 1, 16)).sum().backward()
+    errors = _grad_errors(mlp, reference)
+    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors
+    assert _rewrites(mlp)["RecomputedActivation"] == (0 if disable else 1)
+
+
 def _step_without_backward(model, ids, targets):
     if isinstance(model, GPT):
         return model(ids, targets)

@@ -40,15 +40,20 @@ def _output_of(call: fx.Node, index: int) -> fx.Node | None:
                  and u.args[1] == index), None)
 
 
-def _forward_region(joint: fx.GraphModule) -> set[fx.Node]:
+def _forward_region(joint: fx.GraphModule) -> set[fx.Node] | None:
     """The nodes the default partitioner puts in the forward: every node up to the last one tagged
-    forward or a primal input, tangents excepted (torch._functorch.partitioners.default_partition)."""
+    forward or a primal input, tangents excepted (torch._functorch.partitioners.default_partition,
+    torch 2.11-2.13); None where torch's helpers for that are not there."""
     from torch._functorch import partitioners as p
 
+    helpers = [getattr(p, name, None) for name in ("_has_tag_is_forward", "_is_primal", "_is_fwd_seed_offset",
+                                                    "_is_tangent")]
+    if not all(helpers):
+        return None
+    is_forward, is_primal, is_seed, is_tangent = helpers
     nodes = list(joint.graph.nodes)
-    last = max((i for i, n in enumerate(nodes) if p._has_tag_is_forward(n) or p._is_primal(n)
-                or p._is_fwd_seed_offset(n)), default=-1)
-    return {n for n in nodes[:last + 1] if not p._is_tangent(n)}
+    last = max((i for i, n in enumerate(nodes) if is_forward(n) or is_primal(n) or is_seed(n)), default=-1)
+    return {n for n in nodes[:last + 1] if not is_tangent(n)}
 
 
 def run(joint: fx.GraphModule) -> int:
@@ -56,6 +61,8 @@ def run(joint: fx.GraphModule) -> int:
     now recomputes."""
     graph = joint.graph
     forward = _forward_region(joint)
+    if forward is None:
+        return 0
     order = {n: i for i, n in enumerate(graph.nodes)}
     count = 0
     for call in list(graph.nodes):
