@@ -4,7 +4,13 @@ loss of a weighted square of the logits (or hidden states) on the unpadded posit
 parameter's gradient against eager fp32 (relative norm < 1e-4, key biases' exact-zero gradients
 skipped); with bf16, under CPU autocast, within 2x eager-bf16's error plus 1e-2.
 
-    TRITON_INTERPRET=1 PYTHONPATH=src:. python3 bench/train_sweep.py [families,comma,separated] [1|0] [fp32|bf16]
+    TRITON_INTERPRET=1 PYTHONPATH=src:. python3 bench/train_sweep.py [families,comma,separated] [1|0] [fp32|bf16] \
+        [cpu|cuda] [labels]
+
+On a GPU (`cuda`, no TRITON_INTERPRET) the same comparison runs on the GPU's kernels and CUDA graphs,
+autocast on CUDA. `labels`: decoders also get labels=input_ids, and the loss backpropagated is the
+model's own loss plus the weighted square of its returned logits (the LM head's fused loss, and the
+gradient of logits returned next to it).
 """
 import copy
 import sys
@@ -19,6 +25,8 @@ from family_sweep import FAMILIES, _spread_weights  # this script's folder is on
 names = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else [f[0] for f in FAMILIES]
 graphs = (sys.argv[2] if len(sys.argv) > 2 else "1") == "1"
 autocast = len(sys.argv) > 3 and sys.argv[3] == "bf16"
+device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+with_labels = len(sys.argv) > 5 and sys.argv[5] == "labels"
 for spec in FAMILIES:
     name, kind, config_cls, model_cls, config, attn = spec
     if name not in names:
@@ -34,6 +42,7 @@ for spec in FAMILIES:
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(cfg).train()
         _spread_weights(model)
+        model.to(device)
         ref = copy.deepcopy(model)
         eager = copy.deepcopy(model)
         g = torch.Generator().manual_seed(0)
@@ -46,17 +55,24 @@ for spec in FAMILIES:
         kw = dict(input_ids=ids, attention_mask=mask)
         if kind == "s2s":
             kw["decoder_input_ids"] = torch.randint(3, 90, (2, 5), generator=g)
+        if with_labels and kind == "dec":
+            kw["labels"] = ids.masked_fill(mask == 0, -100)
+        kw = {k: v.to(device) for k, v in kw.items()}
+        mask = mask.to(device)
         transfuse.optimize(model, training_graphs=graphs)
         losses, outs = [], []
         for m, ac in ((model, autocast), (ref, False), (eager, autocast)):
             if m is eager and not autocast:
                 continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=ac):
                 out = m(**kw)
             t = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
-            keep = mask.bool() if t.shape[1] == mask.shape[1] else torch.ones(t.shape[:2], dtype=torch.bool)
-            w = torch.linspace(-1, 1, t.shape[-1])
+            keep = (mask.bool() if t.shape[1] == mask.shape[1]
+                    else torch.ones(t.shape[:2], dtype=torch.bool, device=device))
+            w = torch.linspace(-1, 1, t.shape[-1], device=device)
             loss = (t.float()[keep] * w).square().mean()
+            if getattr(out, "loss", None) is not None:
+                loss = loss + out.loss
             loss.backward()
             losses.append(loss.item())
         errs, eager_errs = {}, {}

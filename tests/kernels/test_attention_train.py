@@ -185,6 +185,30 @@ def test_rows_masked_by_finite_min(device, bias_grad):
     assert ours[4][:, :, 0].abs().max() < 10 * grad_out.abs().max()
 
 
+def test_rows_masked_by_finite_min_in_a_full_bias(device):
+    """Falcon-RW's ALiBi mask: a full (batch, heads, seqlen_q, seqlen_k) bias with finfo.min over the
+    causal triangle and the left padding, no is_causal. A padded query's scores all round to finfo.min:
+    eager's softmax (Hugging Face's "eager" attention) spreads it evenly over every key, and its
+    gradients are the softmax Jacobian's at that point. PyTorch's SDPA backward gives those rows l times
+    that (it recomputes P from an lse that rounds to finfo.min, so every weight comes back as 1), and on
+    a GPU its forward sums V there instead of averaging it: the explicit softmax is the reference."""
+    T, pad = 13, 4
+    q, k, v = qkv(2, 2, 2, T, T, 16, torch.float32, device)
+    allowed = torch.ones(T, T, device=device).tril().bool()[None] & (torch.arange(T, device=device) >= pad)[None, None]
+    alibi = torch.randn(2, 2, 1, T, device=device) * 0.3
+    bias = alibi.masked_fill(~torch.cat([torch.ones_like(allowed), allowed])[:, None], FP32_MIN)
+    grad_out = torch.randn_like(q)
+    ours = _forward_backward(_ours, q, k, v, bias, 0.25, False, grad_out, None)
+
+    def explicit(q, k, v, bias, scale, is_causal):  # in fp64, results in fp32
+        s = q.double() @ k.double().transpose(-1, -2) * scale + bias.double()
+        return (torch.softmax(s, -1) @ v.double()).float(), torch.logsumexp(s, -1).float()
+
+    ref = _forward_backward(explicit, q, k, v, bias, 0.25, False, grad_out, None)
+    _assert_close_fp32(ours, ref)
+    assert ours[2][1, :, 1:pad].abs().max() > 1e-3  # the padded queries do get a gradient
+
+
 # ---- low precision ---------------------------------------------------------------------------------
 
 def _torch_same_dtype(q, k, v, bias, scale, is_causal, grad_out):
