@@ -66,26 +66,23 @@ class ActivationConfig:
 _INTERPRET_CONFIG = ActivationConfig(BLOCK_M=4, BLOCK_N=16, num_warps=1)
 
 
-def activation_config(n_cols: int) -> ActivationConfig:
+def activation_config(n_cols: int, widest: int = 256) -> ActivationConfig:
     """2048-element tiles on 4 warps, 16 values per thread and tensor: enough loads in flight for a
-    memory-bound kernel without spilling the backward's four live tiles (silu_mul). Rows up to 256
-    columns wide per tile, so that each row segment is one long contiguous read. Not autotuned (no
-    shape keys to bucket, and nothing to gain from tuning a copy-speed kernel)."""
+    memory-bound kernel without spilling the backward's four live tiles (silu_mul). Rows up to
+    `widest` columns wide per tile, so that each row segment is one long contiguous read. Not
+    autotuned (no shape keys to bucket, and nothing to gain from tuning a copy-speed kernel)."""
     if INTERPRET:
         return _INTERPRET_CONFIG
-    block_n = min(256, max(16, next_power_of_2(n_cols)))
+    block_n = min(widest, max(16, next_power_of_2(n_cols)))
     return ActivationConfig(BLOCK_M=2048 // block_n, BLOCK_N=block_n, num_warps=4)
 
 
 def activation_fwd_config(n_cols: int) -> ActivationConfig:
-    """The forward's tiles (act(pre) + residual; the backward's recomputation of it): 2048 elements,
-    128 columns wide, 4 warps. At 8192 x 3072 bf16 on an H200, against 256-wide tiles: gelu_tanh
+    """The forward's tiles (act(pre) + residual; the backward's recomputation of it): activation_config's
+    tiles at most 128 columns wide. At 8192 x 3072 bf16 on an H200, against 256-wide tiles: gelu_tanh
     46.7 -> 30.5 us (the copy floor is 29.6), exact GELU 41.6 -> 40.9, silu_mul at 4096 x 11264
     69.4 -> 49.2 (bench/kernels/sweep_activation_fwd.py, 2026-11-27)."""
-    if INTERPRET:
-        return _INTERPRET_CONFIG
-    block_n = min(128, max(16, next_power_of_2(n_cols)))
-    return ActivationConfig(BLOCK_M=2048 // block_n, BLOCK_N=block_n, num_warps=4)
+    return activation_config(n_cols, widest=128)
 
 
 # Programs per SM when the backward also sums grad_pre's columns (each program walks a chunk of rows).

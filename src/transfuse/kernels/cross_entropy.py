@@ -783,9 +783,8 @@ def linear_logits_cross_entropy_bwd(
                 weight.new_zeros(weight.shape) if needs_grad_weight else empty(),
                 bias.new_zeros(bias.shape) if needs_grad_bias else empty())
     scale = None if grad_loss is None else logits_grad_scale(grad_loss, target, ignore_index, reduction)
+    # default_chunk_rows with rows and columns swapped: as many columns as fit, a multiple of 128
     chunk = chunk_cols or default_chunk_rows(n_cols_padded, max(n_rows, 1), x.element_size())
-    if chunk < n_cols_padded:
-        chunk = max(chunk - chunk % 128, 128)
     bounds = [(start, min(start + chunk, n_cols_padded)) for start in range(0, n_cols_padded, chunk)]
     weight_c = _compute_params(weight, None, x.dtype, n_cols_padded)[0] if needs_grad_x else None
     grad_x_acc = (torch.zeros(x.shape, dtype=torch.float32, device=x.device)

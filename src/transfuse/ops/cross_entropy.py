@@ -371,7 +371,8 @@ def _(grad_loss, grad_logits, logits, lse, x, weight, bias, target, ignore_index
 
 
 def _setup_context_logits(ctx, inputs, output):
-    x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad = inputs[:9]
+    (x, weight, bias, target, ignore_index, label_smoothing, reduction, pad_vocab_to, needs_grad,
+     logits_differentiable) = inputs  # defaults included
     logits, _, lse = output
     # The returned logits, not the padded buffer they were copied from: that buffer is freed after the
     # forward, and the user holds the logits anyway. Modifying them in place before backward() is then
@@ -380,9 +381,8 @@ def _setup_context_logits(ctx, inputs, output):
     ctx.settings = (ignore_index, label_smoothing, reduction, pad_vocab_to)
     ctx.has_bias = bias is not None
     ctx.computed = needs_grad
-    ctx.rest = len(inputs) - 3  # inputs without a gradient: target, the settings, the flags
     ctx.mark_non_differentiable(lse)
-    if len(inputs) > 9 and not inputs[9]:
+    if not logits_differentiable:
         ctx.mark_non_differentiable(logits)
     # A logits output that nothing differentiates (the usual case: the loss alone is backpropagated)
     # arrives as None, not as a (rows, V) tensor of zeros to be read. (AOTAutograd's compiled
@@ -394,7 +394,7 @@ def _backward_logits(ctx, grad_logits, grad_loss, _grad_of_lse):
     x, weight, bias, target, logits, lse = ctx.saved_tensors
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     needs_bias = needs_bias and ctx.has_bias
-    nones = (None,) * ctx.rest
+    nones = (None,) * 7  # target, the four settings, the two flags
     if not (needs_x or needs_weight or needs_bias) or (grad_logits is None and grad_loss is None):
         return None, None, None, *nones
     if grad_loss is not None and not ctx.computed:

@@ -34,6 +34,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from transfuse.passes.graph import node_order
+
 PATTERN = "PackedQKVGrad"
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
@@ -50,7 +52,7 @@ def run(gm: fx.GraphModule) -> int:
         # The packed op goes right after its last input (the backward, or an addend computed
         # later), so that whatever reads dbias between the backward and the cat still comes after
         # it; where a reader comes earlier than that, the graph stays as it is.
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        position = node_order(gm.graph)
         last = max([bwd] + [e for e in extras.values() if e is not None], key=position.__getitem__)
         dbias = [u for u in bwd.users if u.args[1] == 3]
         if any(position[reader] <= position[last] for u in dbias for reader in u.users):

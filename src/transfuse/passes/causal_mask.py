@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import evaluate, kind, scalar, tensor_meta, value
+from transfuse.passes.graph import evaluate, kind, node_order, scalar, tensor_meta, value
 from transfuse.passes.manager import PassContext
 
 # The probe runs the mask at this many query positions at most (a bool T x T tensor: 64 MiB at 8192).
@@ -251,7 +251,7 @@ def _mask_region(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], list[fx.N
                 stack.append(a)
             elif isinstance(a, int) and not isinstance(a, bool):
                 biggest = max(biggest, abs(a))
-    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    order = node_order(mask.graph)
     return sorted(nodes, key=order.__getitem__), sizes, tensors, biggest
 
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from transfuse.ops.cross_entropy import linear_cross_entropy, linear_logits_cross_entropy
-from transfuse.passes.graph import arg, cast_to, kind, remove_dead_code, single_user, tensor_meta
+from transfuse.passes.graph import arg, cast_to, kind, node_order, remove_dead_code, single_user, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "CrossEntropy"
@@ -139,7 +139,7 @@ def _movable(node: fx.Node) -> bool:
 def _hoist_before(node: fx.Node, anchor: fx.Node) -> bool:
     """Move `node` and whatever it is computed from that comes after `anchor` in the graph to just
     before `anchor`, in their order; False (nothing moved) when one of them reads `anchor`."""
-    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    order = node_order(anchor.graph)
     late, stack = set(), [node]
     while stack:
         n = stack.pop()

@@ -25,6 +25,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from transfuse.passes.graph import node_order
+
 NAME = "recompute_activations"
 PATTERN = "RecomputedActivation"
 
@@ -63,7 +65,7 @@ def run(joint: fx.GraphModule) -> int:
     forward = _forward_region(joint)
     if forward is None:
         return 0
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     count = 0
     for call in list(graph.nodes):
         if not (call.op == "call_function" and call.target is torch.ops.transfuse.linear_train_fwd.default
