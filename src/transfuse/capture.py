@@ -9,6 +9,7 @@ import weakref
 import torch
 import torch.utils._pytree as pytree
 
+from transfuse import branchless as _branchless
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.guards import ModuleWatch, module_guard_filter
 from transfuse.report import format_report
@@ -49,6 +50,7 @@ class _State:
         self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
         self.empty_calls = 0  # calls with an empty input tensor whose trace failed: they ran as written
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
+        self.branchless = None  # forwards whose data-dependent guards were made branchless (branchless.py)
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -114,7 +116,8 @@ def _check_disable(disable) -> None:
     if isinstance(disable, str):
         raise TransfuseError(f"transfuse.optimize: disable takes a list of pass names, got the string {disable!r}; "
                              f"write disable=({disable!r},)")
-    known = {p.name for p in registry()} | {p.name for p in backward_registry()} | {recompute_activations.NAME}
+    known = {p.name for p in registry()} | {p.name for p in backward_registry()} | {recompute_activations.NAME,
+                                                                                 _branchless.NAME}
     unknown = sorted(set(disable) - known)
     if unknown:
         raise TransfuseError(f"transfuse.optimize: no pass is named {', '.join(map(repr, unknown))}; "
@@ -175,7 +178,6 @@ def optimize(
     if buckets not in (None, False):
         BucketPolicy(buckets)  # validates now, with a clear message
     _check_disable(disable)
-    original = model.forward
     # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
     # many shapes never drops to eager silently.
     for name in ("recompile_limit", "cache_size_limit"):
@@ -183,7 +185,11 @@ def optimize(
             setattr(torch._dynamo.config, name, 256)
     backend = Backend(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
                       disable=tuple(disable), module_guards=module_guards, **options)
+    # before model.forward is read: the model's own forward may have a guard too
+    rewritten = _branchless.install(model) if _branchless.NAME not in disable else _branchless.Rewritten()
+    original = model.forward
     state = _State(backend, original, None)
+    state.branchless = rewritten
     state.guard_filter = module_guard_filter(model)
     state.compile()
     watch = None if module_guards else ModuleWatch(model)
@@ -301,6 +307,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         model.generation_config.disable_compile = state.disable_compile_was
     _generation.uninstall(model, state)
     _encoder.uninstall(model, state)
+    state.branchless.undo()
     delattr(model, _STATE)
     _release(state.backends)
     return model
@@ -325,6 +332,8 @@ def report(model: torch.nn.Module) -> str:
     text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
+    if state.branchless.describe():
+        text += f"\n  {state.branchless.describe()}"
     if state.static_cache is not None:
         text += f"\n  generate(): {state.static_cache.describe()}"
         if state.decode_loop is not None and state.decode_loop.describe():

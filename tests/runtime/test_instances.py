@@ -43,7 +43,7 @@ def test_each_layer_instance_gets_its_own_compile():
     with torch.no_grad():
         ref = model(x)
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        transfuse.optimize(model)
+        transfuse.optimize(model, disable=("BranchlessGuard",))  # keep the graph break
         outs = [model(x) for _ in range(3)]
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, weights[k])]
     assert not changed, f"optimize() changed the user's parameters: {changed}"
@@ -64,7 +64,7 @@ def test_training_through_per_instance_compiles_matches_eager():
     model = Stack().train()
     ref = copy.deepcopy(model)
     x, y = torch.randn(2, 9, 32), torch.randn(2, 9, 32)
-    transfuse.optimize(model)
+    transfuse.optimize(model, disable=("BranchlessGuard",))  # keep the graph break
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     for _ in range(3):
         losses = []

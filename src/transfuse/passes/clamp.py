@@ -6,6 +6,13 @@
 
 -> torch.ops.transfuse.clamp_if_inf(h, finfo.max - 1000, finfo.max). Matched by structure (a clamp
 whose bounds are plus and minus one `where` over "x has an inf"), whatever the two constants are.
+
+`OverflowSelect`: the BART family's guard once transfuse.branchless has made it a select,
+
+    h = torch.where(torch.logical_not(torch.isfinite(h).all()), torch.clamp(h, min=-b, max=b), h)
+
+(or with `isinf(h).any() or isnan(h).any()` as the test) -> torch.ops.transfuse.clamp_if_nonfinite(h, b):
+one or two launches instead of five.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from transfuse.passes.graph import arg, kind, tensor_meta
 from transfuse.passes.manager import PassContext
 
 PATTERN = "OverflowClamp"
+SELECT_PATTERN = "OverflowSelect"
 
 
 def _is(node, function, method: str) -> bool:
@@ -33,6 +41,47 @@ def _has_inf_of(node) -> fx.Node | None:
     if not _is(isinf, torch.isinf, "isinf") or len(isinf.args) != 1:
         return None
     return isinf.args[0]
+
+
+def _reduced(node, reduction, method: str, test) -> fx.Node | None:
+    """x when node is test(x).<reduction>() (or torch.<reduction>(test(x)))."""
+    if not _is(node, reduction, method) or len(node.args) != 1 or node.kwargs:
+        return None
+    inner = node.args[0]
+    if not _is(inner, test, test.__name__) or len(inner.args) != 1:
+        return None
+    return inner.args[0]
+
+
+def _has_nonfinite_of(node) -> fx.Node | None:
+    """x when node is "x holds an inf or a NaN": not(isfinite(x).all()), or isinf(x).any() or
+    isnan(x).any() in either order."""
+    if _is(node, torch.logical_not, "logical_not") and len(node.args) == 1:
+        return _reduced(node.args[0], torch.all, "all", torch.isfinite)
+    if _is(node, torch.logical_or, "logical_or") and len(node.args) == 2:
+        a, b = node.args
+        for inf, nan in ((a, b), (b, a)):
+            x = _reduced(inf, torch.any, "any", torch.isinf)
+            if x is not None and _reduced(nan, torch.any, "any", torch.isnan) is x:
+                return x
+    return None
+
+
+def _match_select(where: fx.Node) -> tuple[fx.Node, float] | None:
+    if not _is(where, torch.where, "where") or len(where.args) != 3 or where.kwargs:
+        return None
+    cond, clamped, x = where.args
+    if not isinstance(x, fx.Node) or _has_nonfinite_of(cond) is not x or not _is(clamped, torch.clamp, "clamp"):
+        return None
+    if arg(clamped, 0, "input") is not x:
+        return None
+    lo, hi = arg(clamped, 1, "min"), arg(clamped, 2, "max")
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (lo, hi)) or lo != -hi or hi < 0:
+        return None
+    meta = tensor_meta(x)
+    if meta is None or not meta.dtype.is_floating_point:
+        return None
+    return x, float(hi)
 
 
 def _match(clamp: fx.Node) -> tuple[fx.Node, float, float] | None:
@@ -53,14 +102,15 @@ def _match(clamp: fx.Node) -> tuple[fx.Node, float, float] | None:
 def run(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for node in list(graph.nodes):
-        if not _is(node, torch.clamp, "clamp"):
-            continue
-        found = _match(node)
+        if _is(node, torch.clamp, "clamp"):
+            found, op, pattern = _match(node), torch.ops.transfuse.clamp_if_inf.default, PATTERN
+        else:
+            found, op, pattern = _match_select(node), torch.ops.transfuse.clamp_if_nonfinite.default, SELECT_PATTERN
         if found is None:
             continue
         with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.transfuse.clamp_if_inf.default, found)
+            new = graph.call_function(op, found)
         new.meta["example_value"] = node.meta.get("example_value")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        ctx.matched(PATTERN)
+        ctx.matched(pattern)

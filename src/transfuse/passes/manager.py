@@ -84,7 +84,8 @@ def registry() -> list[Pass]:
         Pass("inplace", inplace.run, "in-place arithmetic on a temporary nothing else reads -> out of place", trains=True),
         Pass("dropout", dropout.run, "remove dropout that is the identity (eval mode or p=0)", trains=True),
         Pass("empty_cat", empty_cat.run, "torch.cat of one tensor and empty 1-D ones (DynamicCache's first append) -> a cast", trains=True),
-        Pass("clamp", clamp.run, "T5's fp16 guard, clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf"),
+        Pass("clamp", clamp.run, "fp16 guards: T5's clamp by where(isinf(x).any()) -> transfuse.clamp_if_inf, the "
+             "BART family's (made a select by branchless.py) -> transfuse.clamp_if_nonfinite"),
         Pass("attention", attention.run, "SDPA and hand-written attention -> transfuse.attention", trains=True),
         Pass("rotary_table", rotary_table.run, "HF's cos/sin table (inv_freq @ positions, cat, cos, sin, scale, cast) -> transfuse.rotary_table"),
         Pass("rotary", rotary.run, "x * cos + rotate_half(x) * sin -> transfuse.rotary", trains=True),
