@@ -25,9 +25,10 @@ venv: $(VENV)/.installed
 # subprocess (cProfile, 2026-11-27). worksteal: an idle worker takes queued tests from a busy one,
 # so the slow model tests at the end do not leave one core idle. no:logging: pytest's log capture
 # also attaches to torch's structured-trace logger, which then formats every Dynamo compile event
-# (5% of a model test).
+# (5% of a model test). OMP_NUM_THREADS=1: two workers with two intra-op threads each on two cores
+# spent 9% more time (kernel and rotary tests, 2026-11-27).
 test: $(VENV)/.installed
-	PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto --dist worksteal -p no:logging -m "not gpu" tests
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto --dist worksteal -p no:logging -m "not gpu" tests
 
 test-gpu:
 	PYTHONPATH=src python3 -m pytest -q -m gpu tests

@@ -294,12 +294,15 @@ _PURE_METHODS = frozenset({
     "to", "float", "half", "bfloat16", "type_as", "pow", "mean", "sum", "rsqrt", "sqrt", "exp", "cos", "sin",
     "mul", "add", "sub", "div", "neg", "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze",
     "squeeze", "expand", "narrow", "size", "dim", "clone", "any", "all", "isinf", "isnan", "abs", "eq", "ne",
+    "isfinite", "logical_not", "logical_or", "logical_and", "clamp", "where",
 })
 _PURE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
     torch.cat, torch.rsqrt, torch.mean, torch.pow, torch.cos, torch.sin, torch.exp, torch.arange,
     # what a replaced guard leaves behind (T5's `torch.where(torch.isinf(h).any(), ...)`)
     torch.isinf, torch.isnan, torch.any, torch.all, torch.abs, torch.eq, torch.ne,
+    # and the BART family's, made a select (branchless.py, passes/clamp.py's OverflowSelect)
+    torch.isfinite, torch.logical_not, torch.logical_or, torch.logical_and, torch.clamp, torch.where,
 })
 
 
