@@ -151,7 +151,7 @@ def test_disable_keeps_the_guards_as_written(device):
     assert "forward" not in model[0].__dict__
 
 
-def test_overflow_select_pass_leaves_one_op_and_no_dead_guard():
+def test_overflow_select_pass_leaves_one_op_and_no_dead_guard(device):
     """The select Dynamo traces from the rewritten guard becomes one clamp_if_nonfinite, and what the
     guard computed before it (isfinite, all, logical_not, clamp) is gone from the graph."""
     from transfuse.passes import clamp
@@ -166,7 +166,7 @@ def test_overflow_select_pass_leaves_one_op_and_no_dead_guard():
         graphs.append((gm, example_inputs))
         return gm.forward
 
-    x = _inputs(torch.float16)["inf"]
+    x = _inputs(torch.float16)["inf"].to(device)
     torch._dynamo.reset()
     torch.compile(module, backend=keep, fullgraph=True)(x)
     gm, example_inputs = graphs[0]
@@ -179,4 +179,5 @@ def test_overflow_select_pass_leaves_one_op_and_no_dead_guard():
     assert torch.ops.transfuse.clamp_if_nonfinite.default in targets
     assert not {torch.isfinite, torch.logical_not, torch.clamp, torch.where, "all"} & set(targets), targets
     for x in _inputs(torch.float16).values():
+        x = x.to(device)
         assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(BartStyle.forward(module, x)))
