@@ -181,3 +181,65 @@ def test_overflow_select_pass_leaves_one_op_and_no_dead_guard(device):
     for x in _inputs(torch.float16).values():
         x = x.to(device)
         assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(BartStyle.forward(module, x)))
+
+
+class LongT5Style(torch.nn.Module):
+    """LongT5's block: three guards that each bind the same temporary (`clamp_value`), one of them
+    inside a Python branch; `torch.isinf(h).any()` alone as the test."""
+
+    def forward(self, h, cross: bool = True):
+        h = h * 2
+        if h.dtype == torch.float16 and torch.isinf(h).any():
+            clamp_value = torch.finfo(h.dtype).max - 1000
+            h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        if cross:
+            h = h + 1
+            if h.dtype == torch.float16 and torch.isinf(h).any():
+                clamp_value = torch.finfo(h.dtype).max - 1000
+                h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        h = h - 3
+        if h.dtype == torch.float16 and torch.isinf(h).any():
+            clamp_value = torch.finfo(h.dtype).max - 1000
+            h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        return h
+
+
+class MaybeBound(torch.nn.Module):
+    def forward(self, x, flag: bool = False):
+        if flag:
+            y = x * 2
+        if torch.isnan(x).any():
+            y = torch.nan_to_num(x)  # y's old value may not exist: the guard must stay as written
+        return y
+
+
+def test_guards_sharing_a_temporary_each_become_a_select(device):
+    """Before, the second guard's select read `clamp_value` from the first guard's body, which only
+    exists when the first one fired (a NameError on every finite input)."""
+    from transfuse.passes import clamp
+    from transfuse.passes.graph import remove_dead_code
+    from transfuse.passes.manager import PassContext
+
+    module = LongT5Style()
+    fn, count = branchless.rewrite_forward(LongT5Style.forward)
+    assert count == 3
+    for cross in (True, False):
+        for name, x in _inputs(torch.float16).items():
+            ref, out = LongT5Style.forward(module, x, cross), fn(module, x, cross)
+            assert torch.equal(torch.nan_to_num(ref), torch.nan_to_num(out)), (cross, name)
+    assert branchless.rewrite_forward(MaybeBound.forward) is None
+    # the `isinf(h).any()` select is clamp_if_inf with no bound when nothing is found
+    module.forward = fn.__get__(module)
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, fullgraph=True)(
+        _inputs(torch.float16)["inf"].to(device))
+    gm, example_inputs = graphs[0]
+    ctx = PassContext(gm=gm, example_inputs=example_inputs, options={})
+    clamp.run(ctx)
+    remove_dead_code(gm.graph)
+    gm.recompile()
+    assert ctx.rewrites["OverflowSelect"] == 3
+    for x in _inputs(torch.float16).values():
+        x = x.to(device)
+        assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(LongT5Style.forward(module, x)))

@@ -135,9 +135,60 @@ def _pure(stmt: ast.stmt) -> list[str] | None:
     return [t.id for t in stmt.targets]
 
 
-def _bound_names(fn_def: ast.FunctionDef) -> set[str]:
+def _parameters(fn_def: ast.FunctionDef) -> set[str]:
     a = fn_def.args
     return {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None}
+
+
+def _reads(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(node))
+
+
+def _stores(stmt: ast.stmt, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(stmt))
+
+
+def _blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    out = [getattr(stmt, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, f, None), list)]
+    return out + [h.body for h in getattr(stmt, "handlers", ())]
+
+
+def _reads_before_assigned(name: str, stmts: list[ast.stmt], skip: ast.stmt, assigned: bool = False) -> bool:
+    """Whether some statement (outside `skip`) may read `name`'s value from before it: a read not
+    preceded, in its own statement list or an enclosing one, by an unconditional assignment."""
+    for stmt in stmts:
+        if stmt is skip:
+            continue
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if _reads(stmt, name):
+                return True  # a closure may read it at any time
+            continue
+        blocks = _blocks(stmt)
+        if blocks:
+            heads = [getattr(stmt, f) for f in ("test", "iter") if getattr(stmt, f, None) is not None]
+            heads += [i.context_expr for i in getattr(stmt, "items", ())]
+            if not assigned and any(_reads(h, name) for h in heads):
+                return True
+            if any(_reads_before_assigned(name, b, skip, assigned) for b in blocks):
+                return True
+            continue  # an assignment inside a branch or a loop may not run
+        target_read = isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name
+        if not assigned and (_reads(stmt, name) or target_read):
+            return True
+        assigned = assigned or _stores(stmt, name)
+    return False
+
+
+def _assigned_at(name: str, stmts: list[ast.stmt], node: ast.stmt) -> bool:
+    """Whether `name` is certainly bound when `node` (somewhere under stmts) runs: an unconditional
+    assignment before it in its own statement list or in an enclosing one."""
+    for stmt in stmts:
+        if stmt is node or any(n is node for n in ast.walk(stmt)):
+            return stmt is not node and any(_assigned_at(name, b, node) for b in _blocks(stmt)
+                                            if any(n is node for s in b for n in ast.walk(s)))
+        if not _blocks(stmt) and _stores(stmt, name):
+            return True
+    return False
 
 
 def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[ast.stmt] | None:
@@ -153,14 +204,11 @@ def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[as
         if names is None:
             return None
         bound += [n for n in names if n not in bound]
-    inside = {id(n) for n in ast.walk(node)}
-    read_elsewhere = {n.id for n in ast.walk(fn_def)
-                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inside}
-    before = _bound_names(fn_def) | {n.id for n in ast.walk(fn_def) if isinstance(n, ast.Name)
-                                     and isinstance(n.ctx, ast.Store) and id(n) not in inside
-                                     and n.lineno < node.lineno}
-    selected = [n for n in bound if n in read_elsewhere]
-    if any(n not in before for n in selected) or not selected:
+    # a name the body binds needs its old value back (a select) where the rest of the forward may
+    # read it; that old value must then exist when the guard runs
+    selected = [n for n in bound if _reads_before_assigned(n, fn_def.body, node)]
+    params = _parameters(fn_def)
+    if not selected or any(n not in params and not _assigned_at(n, fn_def.body, node) for n in selected):
         return None
     k = counter[0]
     counter[0] += 1
@@ -175,7 +223,7 @@ def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[as
                                              ast.Name(f"_tf_old_{k}_{i}", ast.Load())], keywords=[]))
              for i, n in enumerate(selected)]
     for stmt in body:
-        ast.copy_location(stmt, node)
+        ast.fix_missing_locations(ast.copy_location(stmt, node))  # a later guard compares line numbers
     if not python_terms:
         return body
     test = python_terms[0] if len(python_terms) == 1 else ast.BoolOp(op=ast.And(), values=python_terms)
@@ -246,12 +294,12 @@ def rewrite_forward(fn) -> tuple[types.FunctionType, int] | None:
     if same.__code__.co_code != fn.__code__.co_code:
         return None  # the file on disk is not what was imported
     guards = _Guards(fn_def)
-    fn_def = guards.visit(fn_def)
-    if guards.counter[0] == 0:
-        return None
     try:
+        fn_def = guards.visit(fn_def)
+        if guards.counter[0] == 0:
+            return None
         new = _compile(fn_def, fn, freevars)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a forward we cannot rewrite stays as it is
         return None
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
     functools.update_wrapper(new, fn)

@@ -12,7 +12,8 @@ whose bounds are plus and minus one `where` over "x has an inf"), whatever the t
     h = torch.where(torch.logical_not(torch.isfinite(h).all()), torch.clamp(h, min=-b, max=b), h)
 
 (or with `isinf(h).any() or isnan(h).any()` as the test) -> torch.ops.transfuse.clamp_if_nonfinite(h, b):
-one or two launches instead of five.
+one or two launches instead of five; with `isinf(h).any()` alone (LongT5, Pix2Struct) ->
+clamp_if_inf(h, b, inf).
 """
 
 from __future__ import annotations
@@ -67,11 +68,19 @@ def _has_nonfinite_of(node) -> fx.Node | None:
     return None
 
 
-def _match_select(where: fx.Node) -> tuple[fx.Node, float] | None:
+def _match_select(where: fx.Node) -> tuple | None:
+    """(op, args) for where(x has a non-finite, clamp(x, -b, b), x), or for the same with "x has an
+    inf" (LongT5's and Pix2Struct's `if torch.isinf(h).any()`): clamp_if_inf with no bound otherwise."""
     if not _is(where, torch.where, "where") or len(where.args) != 3 or where.kwargs:
         return None
     cond, clamped, x = where.args
-    if not isinstance(x, fx.Node) or _has_nonfinite_of(cond) is not x or not _is(clamped, torch.clamp, "clamp"):
+    if not isinstance(x, fx.Node) or not _is(clamped, torch.clamp, "clamp"):
+        return None
+    if _has_nonfinite_of(cond) is x:
+        op = torch.ops.transfuse.clamp_if_nonfinite.default
+    elif _has_inf_of(cond) is x:
+        op = torch.ops.transfuse.clamp_if_inf.default
+    else:
         return None
     if arg(clamped, 0, "input") is not x:
         return None
@@ -81,7 +90,9 @@ def _match_select(where: fx.Node) -> tuple[fx.Node, float] | None:
     meta = tensor_meta(x)
     if meta is None or not meta.dtype.is_floating_point:
         return None
-    return x, float(hi)
+    if op is torch.ops.transfuse.clamp_if_inf.default:
+        return op, (x, float(hi), float("inf"))
+    return op, (x, float(hi))
 
 
 def _match(clamp: fx.Node) -> tuple[fx.Node, float, float] | None:
@@ -105,7 +116,8 @@ def run(ctx: PassContext) -> None:
         if _is(node, torch.clamp, "clamp"):
             found, op, pattern = _match(node), torch.ops.transfuse.clamp_if_inf.default, PATTERN
         else:
-            found, op, pattern = _match_select(node), torch.ops.transfuse.clamp_if_nonfinite.default, SELECT_PATTERN
+            select, pattern = _match_select(node), SELECT_PATTERN
+            op, found = select if select is not None else (None, None)
         if found is None:
             continue
         with graph.inserting_before(node):
