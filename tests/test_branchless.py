@@ -151,36 +151,38 @@ def test_disable_keeps_the_guards_as_written(device):
     assert "forward" not in model[0].__dict__
 
 
-def test_overflow_select_pass_leaves_one_op_and_no_dead_guard(device):
-    """The select Dynamo traces from the rewritten guard becomes one clamp_if_nonfinite, and what the
-    guard computed before it (isfinite, all, logical_not, clamp) is gone from the graph."""
+def _selects_after_the_clamp_pass(cls, device):
+    """(graph module, rewrites) of cls's rewritten forward traced by Dynamo, after passes/clamp.py and
+    dead-code removal, checked to give the forward as written on every input."""
     from transfuse.passes import clamp
     from transfuse.passes.graph import remove_dead_code
     from transfuse.passes.manager import PassContext
 
-    module = BartStyle()
-    module.forward = branchless.rewrite_forward(BartStyle.forward)[0].__get__(module)
+    module = cls()
+    module.forward = branchless.rewrite_forward(cls.forward)[0].__get__(module)
     graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append((gm, example_inputs))
-        return gm.forward
-
-    x = _inputs(torch.float16)["inf"].to(device)
     torch._dynamo.reset()
-    torch.compile(module, backend=keep, fullgraph=True)(x)
+    torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, fullgraph=True)(
+        _inputs(torch.float16)["inf"].to(device))
     gm, example_inputs = graphs[0]
     ctx = PassContext(gm=gm, example_inputs=example_inputs, options={})
     clamp.run(ctx)
     remove_dead_code(gm.graph)
     gm.recompile()
-    assert ctx.rewrites["OverflowSelect"] == 1
+    for x in _inputs(torch.float16).values():
+        x = x.to(device)
+        assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(cls.forward(module, x)))
+    return gm, ctx.rewrites
+
+
+def test_overflow_select_pass_leaves_one_op_and_no_dead_guard(device):
+    """The select Dynamo traces from the rewritten guard becomes one clamp_if_nonfinite, and what the
+    guard computed before it (isfinite, all, logical_not, clamp) is gone from the graph."""
+    gm, rewrites = _selects_after_the_clamp_pass(BartStyle, device)
+    assert rewrites["OverflowSelect"] == 1
     targets = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert torch.ops.transfuse.clamp_if_nonfinite.default in targets
     assert not {torch.isfinite, torch.logical_not, torch.clamp, torch.where, "all"} & set(targets), targets
-    for x in _inputs(torch.float16).values():
-        x = x.to(device)
-        assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(BartStyle.forward(module, x)))
 
 
 class LongT5Style(torch.nn.Module):
@@ -216,10 +218,6 @@ class MaybeBound(torch.nn.Module):
 def test_guards_sharing_a_temporary_each_become_a_select(device):
     """Before, the second guard's select read `clamp_value` from the first guard's body, which only
     exists when the first one fired (a NameError on every finite input)."""
-    from transfuse.passes import clamp
-    from transfuse.passes.graph import remove_dead_code
-    from transfuse.passes.manager import PassContext
-
     module = LongT5Style()
     fn, count = branchless.rewrite_forward(LongT5Style.forward)
     assert count == 3
@@ -229,17 +227,5 @@ def test_guards_sharing_a_temporary_each_become_a_select(device):
             assert torch.equal(torch.nan_to_num(ref), torch.nan_to_num(out)), (cross, name)
     assert branchless.rewrite_forward(MaybeBound.forward) is None
     # the `isinf(h).any()` select is clamp_if_inf with no bound when nothing is found
-    module.forward = fn.__get__(module)
-    graphs = []
-    torch._dynamo.reset()
-    torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, fullgraph=True)(
-        _inputs(torch.float16)["inf"].to(device))
-    gm, example_inputs = graphs[0]
-    ctx = PassContext(gm=gm, example_inputs=example_inputs, options={})
-    clamp.run(ctx)
-    remove_dead_code(gm.graph)
-    gm.recompile()
-    assert ctx.rewrites["OverflowSelect"] == 3
-    for x in _inputs(torch.float16).values():
-        x = x.to(device)
-        assert torch.equal(torch.nan_to_num(gm(x)[0]), torch.nan_to_num(LongT5Style.forward(module, x)))
+    gm, rewrites = _selects_after_the_clamp_pass(LongT5Style, device)
+    assert rewrites["OverflowSelect"] == 3
