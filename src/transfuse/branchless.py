@@ -34,6 +34,7 @@ file changed on disk since import is never used.
 
 from __future__ import annotations
 
+import __future__
 import ast
 import functools
 import inspect
@@ -263,7 +264,10 @@ def _compile(fn_def: ast.FunctionDef, fn, freevars: tuple[str, ...]):
     module = ast.Module(body=([marker] if modules else []) + [outer], type_ignores=[])
     ast.fix_missing_locations(module)
     namespace: dict = {}
-    exec(compile(module, fn.__code__.co_filename, "exec"), fn.__globals__, namespace)  # noqa: S102
+    # the original module's own `from __future__ import annotations`, not this file's
+    flags = __future__.annotations.compiler_flag if fn.__globals__.get("annotations") is __future__.annotations else 0
+    code = compile(module, fn.__code__.co_filename, "exec", flags=flags, dont_inherit=True)
+    exec(code, fn.__globals__, namespace)  # noqa: S102
     cells = [c.cell_contents for c in fn.__closure__ or ()]
     return namespace["_tf_outer"](torch, select, *cells)
 
