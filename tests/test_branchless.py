@@ -229,3 +229,14 @@ def test_guards_sharing_a_temporary_each_become_a_select(device):
     # the `isinf(h).any()` select is clamp_if_inf with no bound when nothing is found
     gm, rewrites = _selects_after_the_clamp_pass(LongT5Style, device)
     assert rewrites["OverflowSelect"] == 3
+
+
+class Indexes(torch.nn.Module):
+    def forward(self, x):
+        if torch.isnan(x).any():
+            x = x - torch.nonzero(torch.isnan(x))[0, 0]  # raises on a finite x if it always ran
+        return x
+
+
+def test_a_body_that_could_raise_when_always_run_stays_as_written():
+    assert branchless.rewrite_forward(Indexes.forward) is None

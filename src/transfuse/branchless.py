@@ -24,9 +24,10 @@ from its own source with the guard rewritten (the Python part of the test stays 
 
 `select` is torch.where when both sides are tensors of one shape, dtype and device (the values are
 then exactly the guard's), and `new if bool(pred) else old` otherwise (the guard as written). The
-body now always runs, so only guards whose body is pure are rewritten: assignments to plain names
-of torch functions, arithmetic and a few out-of-place tensor methods; a name the body binds and the
-forward reads elsewhere must be bound before the guard. Anything else is left as written. The
+body now always runs, so only guards whose body is pure and cannot raise are rewritten: assignments
+to plain names of arithmetic and a short list of elementwise torch functions and out-of-place tensor
+methods (no indexing, no data-dependent shapes); a name the body binds and the forward may read
+afterwards must certainly be bound before the guard. Anything else is left as written. The
 rewritten forward is set on each instance (never on the class) and restore() removes it; the
 function is checked to compile to the same bytecode as the original before the rewrite, so a source
 file changed on disk since import is never used.
@@ -47,9 +48,14 @@ import torch
 log = logging.getLogger("transfuse")
 NAME = "BranchlessGuard"
 _REDUCTIONS = ("any", "all")
-# out-of-place tensor methods a guard body may call (in-place ones end in "_" and are never allowed)
+# What a guard body may call, now that it always runs: elementwise work that cannot raise on any
+# value and has no data-dependent shape (never nonzero, indexing, .item(), in-place methods).
 _PURE_METHODS = frozenset({"clamp", "clip", "masked_fill", "nan_to_num", "to", "float", "half", "bfloat16",
                            "type_as", "where", "abs", "neg"})
+_PURE_TORCH = frozenset({"clamp", "clip", "finfo", "iinfo", "where", "nan_to_num", "maximum", "minimum", "abs",
+                         "neg", "zeros_like", "ones_like", "full_like"})
+_PURE_NODES = (ast.Name, ast.Load, ast.Constant, ast.Attribute, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp,
+               ast.operator, ast.unaryop)
 
 
 def select(pred, new, old):
@@ -122,16 +128,14 @@ def _pure(stmt: ast.stmt) -> list[str] | None:
     if not isinstance(stmt, ast.Assign) or not all(isinstance(t, ast.Name) for t in stmt.targets):
         return None
     for node in ast.walk(stmt.value):
-        if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom, ast.Lambda)):
-            return None
+        if not isinstance(node, _PURE_NODES):
+            return None  # subscripts, comprehensions, walrus, lambdas, ...
         if isinstance(node, ast.Call):
             func = node.func
-            if not isinstance(func, ast.Attribute) or func.attr.endswith("_"):
+            if not isinstance(func, ast.Attribute):
                 return None
-            root = func
-            while isinstance(root, ast.Attribute):
-                root = root.value
-            if not (isinstance(root, ast.Name) and root.id == "torch") and func.attr not in _PURE_METHODS:
+            on_torch = isinstance(func.value, ast.Name) and func.value.id == "torch"
+            if func.attr not in (_PURE_TORCH if on_torch else _PURE_METHODS):
                 return None
     return [t.id for t in stmt.targets]
 
