@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import __future__
 import ast
+import copy
 import functools
 import inspect
 import logging
@@ -196,7 +197,8 @@ def _assigned_at(name: str, stmts: list[ast.stmt], node: ast.stmt) -> bool:
     return False
 
 
-def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[ast.stmt] | None:
+def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, k: int) -> list[ast.stmt] | None:
+    """The statements replacing guard `node` (its temporaries numbered k), or None to keep it."""
     if node.orelse:
         return None
     split = _split_test(node.test)
@@ -215,8 +217,6 @@ def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[as
     params = _parameters(fn_def)
     if not selected or any(n not in params and not _assigned_at(n, fn_def.body, node) for n in selected):
         return None
-    k = counter[0]
-    counter[0] += 1
     pred = f"_tf_pred_{k}"
     body: list[ast.stmt] = [ast.Assign(targets=[ast.Name(pred, ast.Store())], value=tensor_test)]
     body += [ast.Assign(targets=[ast.Name(f"_tf_old_{k}_{i}", ast.Store())], value=ast.Name(n, ast.Load()))
@@ -238,7 +238,7 @@ def _rewrite_if(node: ast.If, fn_def: ast.FunctionDef, counter: list) -> list[as
 class _Guards(ast.NodeTransformer):
     def __init__(self, fn_def: ast.FunctionDef):
         self.fn_def = fn_def
-        self.counter = [0]
+        self.count = 0  # guards rewritten so far
 
     def visit_FunctionDef(self, node):  # nested functions keep their own guards
         return self.generic_visit(node) if node is self.fn_def else node
@@ -247,7 +247,11 @@ class _Guards(ast.NodeTransformer):
 
     def visit_If(self, node):
         self.generic_visit(node)
-        return _rewrite_if(node, self.fn_def, self.counter) or node
+        new = _rewrite_if(node, self.fn_def, self.count)
+        if new is None:
+            return node
+        self.count += 1
+        return new
 
 
 def _compile(fn_def: ast.FunctionDef, fn, freevars: tuple[str, ...]):
@@ -296,7 +300,7 @@ def rewrite_forward(fn) -> tuple[types.FunctionType, int] | None:
     ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
     freevars = fn.__code__.co_freevars
     try:
-        same = _compile(_copy(fn_def), fn, freevars)
+        same = _compile(copy.deepcopy(fn_def), fn, freevars)
     except Exception:  # noqa: BLE001 - a forward we cannot rebuild stays as it is
         return None
     if same.__code__.co_code != fn.__code__.co_code:
@@ -304,7 +308,7 @@ def rewrite_forward(fn) -> tuple[types.FunctionType, int] | None:
     guards = _Guards(fn_def)
     try:
         fn_def = guards.visit(fn_def)
-        if guards.counter[0] == 0:
+        if guards.count == 0:
             return None
         new = _compile(fn_def, fn, freevars)
     except Exception:  # noqa: BLE001 - a forward we cannot rewrite stays as it is
@@ -312,13 +316,8 @@ def rewrite_forward(fn) -> tuple[types.FunctionType, int] | None:
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
     functools.update_wrapper(new, fn)
     new.__wrapped__ = fn
-    return new, guards.counter[0]
-
-
-def _copy(node: ast.AST) -> ast.AST:
-    import copy
-
-    return copy.deepcopy(node)
+    new._transfuse_branchless = True  # what Rewritten.undo() removes
+    return new, guards.count
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,9 +357,7 @@ def install(model: torch.nn.Module) -> Rewritten:
         if found is None:
             continue
         fn, count = found
-        bound = types.MethodType(fn, module)
-        module.__dict__["forward"] = bound
-        fn._transfuse_branchless = True
+        module.__dict__["forward"] = types.MethodType(fn, module)
         done.modules.append(module)
         done.guards[type(module).__name__] = count
     if done.modules:

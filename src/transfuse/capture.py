@@ -332,8 +332,8 @@ def report(model: torch.nn.Module) -> str:
     text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
-    if state.branchless.describe():
-        text += f"\n  {state.branchless.describe()}"
+    if branchless := state.branchless.describe():
+        text += f"\n  {branchless}"
     if state.static_cache is not None:
         text += f"\n  generate(): {state.static_cache.describe()}"
         if state.decode_loop is not None and state.decode_loop.describe():

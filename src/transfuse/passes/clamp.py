@@ -34,16 +34,6 @@ def _is(node, function, method: str) -> bool:
         (node.op == "call_function" and node.target is function) or (node.op == "call_method" and node.target == method))
 
 
-def _has_inf_of(node) -> fx.Node | None:
-    """x when node is isinf(x).any() (or torch.any(torch.isinf(x)))."""
-    if not _is(node, torch.any, "any") or len(node.args) != 1 or node.kwargs:
-        return None
-    isinf = node.args[0]
-    if not _is(isinf, torch.isinf, "isinf") or len(isinf.args) != 1:
-        return None
-    return isinf.args[0]
-
-
 def _reduced(node, reduction, method: str, test) -> fx.Node | None:
     """x when node is test(x).<reduction>() (or torch.<reduction>(test(x)))."""
     if not _is(node, reduction, method) or len(node.args) != 1 or node.kwargs:
@@ -54,6 +44,11 @@ def _reduced(node, reduction, method: str, test) -> fx.Node | None:
     return inner.args[0]
 
 
+def _has_inf_of(node) -> fx.Node | None:
+    """x when node is isinf(x).any() (or torch.any(torch.isinf(x)))."""
+    return _reduced(node, torch.any, "any", torch.isinf)
+
+
 def _has_nonfinite_of(node) -> fx.Node | None:
     """x when node is "x holds an inf or a NaN": not(isfinite(x).all()), or isinf(x).any() or
     isnan(x).any() in either order."""
@@ -62,7 +57,7 @@ def _has_nonfinite_of(node) -> fx.Node | None:
     if _is(node, torch.logical_or, "logical_or") and len(node.args) == 2:
         a, b = node.args
         for inf, nan in ((a, b), (b, a)):
-            x = _reduced(inf, torch.any, "any", torch.isinf)
+            x = _has_inf_of(inf)
             if x is not None and _reduced(nan, torch.any, "any", torch.isnan) is x:
                 return x
     return None
@@ -77,9 +72,9 @@ def _match_select(where: fx.Node) -> tuple | None:
     if not isinstance(x, fx.Node) or not _is(clamped, torch.clamp, "clamp"):
         return None
     if _has_nonfinite_of(cond) is x:
-        op = torch.ops.transfuse.clamp_if_nonfinite.default
+        op, otherwise = torch.ops.transfuse.clamp_if_nonfinite.default, ()
     elif _has_inf_of(cond) is x:
-        op = torch.ops.transfuse.clamp_if_inf.default
+        op, otherwise = torch.ops.transfuse.clamp_if_inf.default, (float("inf"),)
     else:
         return None
     if arg(clamped, 0, "input") is not x:
@@ -90,12 +85,11 @@ def _match_select(where: fx.Node) -> tuple | None:
     meta = tensor_meta(x)
     if meta is None or not meta.dtype.is_floating_point:
         return None
-    if op is torch.ops.transfuse.clamp_if_inf.default:
-        return op, (x, float(hi), float("inf"))
-    return op, (x, float(hi))
+    return op, (x, float(hi), *otherwise)
 
 
-def _match(clamp: fx.Node) -> tuple[fx.Node, float, float] | None:
+def _match(clamp: fx.Node) -> tuple | None:
+    """(clamp_if_inf, args) for T5's clamp whose bounds are a where over "x has an inf"."""
     x, lo, hi = arg(clamp, 0, "input"), arg(clamp, 1, "min"), arg(clamp, 2, "max")
     if not (isinstance(hi, fx.Node) and isinstance(lo, fx.Node) and kind(lo) == "neg" and lo.args[0] is hi):
         return None
@@ -107,21 +101,19 @@ def _match(clamp: fx.Node) -> tuple[fx.Node, float, float] | None:
     meta = tensor_meta(x)
     if meta is None or not meta.dtype.is_floating_point:
         return None
-    return x, float(if_inf), float(otherwise)
+    return torch.ops.transfuse.clamp_if_inf.default, (x, float(if_inf), float(otherwise))
 
 
 def run(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for node in list(graph.nodes):
-        if _is(node, torch.clamp, "clamp"):
-            found, op, pattern = _match(node), torch.ops.transfuse.clamp_if_inf.default, PATTERN
-        else:
-            select, pattern = _match_select(node), SELECT_PATTERN
-            op, found = select if select is not None else (None, None)
+        match, pattern = (_match, PATTERN) if _is(node, torch.clamp, "clamp") else (_match_select, SELECT_PATTERN)
+        found = match(node)
         if found is None:
             continue
+        op, args = found
         with graph.inserting_before(node):
-            new = graph.call_function(op, found)
+            new = graph.call_function(op, args)
         new.meta["example_value"] = node.meta.get("example_value")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
