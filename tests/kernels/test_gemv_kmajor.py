@@ -100,7 +100,16 @@ def _unfused(x, r, w, b, W, layer, eps, activation):
     else:
         normed, summed = (norm.rms_norm_fwd(x, w, eps, 0.0, True), None) if r is None else \
             norm.add_rms_norm_fwd(x, r, w, eps, 0.0, True, True)
-    return gemv.gemv_fwd(normed, W, None, activation, None), summed
+    return gemv.gemv_fwd(normed, W, None, activation, None), summed, normed
+
+
+def assert_within_two_ulps(normed, ref):
+    """The normalised rows the GEMV stored (store_normed) against the norm kernel's: the row
+    statistics' fp32 sums may associate differently, so a value may differ by the last bits of
+    its row's largest value (a mean removed from every value of the row carries its error to all)."""
+    assert normed.dtype == ref.dtype and normed.shape == ref.shape
+    ulp = 2 * torch.finfo(ref.dtype).eps * ref.float().abs().amax(-1, keepdim=True)
+    assert ((normed.float() - ref.float()).abs() <= ulp).all()
 
 
 @pytest.mark.parametrize("kmajor", [True, False], ids=["KxN", "NxK"])
@@ -116,8 +125,12 @@ def test_norm_prologue_matches_norm_then_gemv(kmajor, dtype, layer, residual, we
     x, r, w, b, W = _norm_case(2, 100, 33, dtype, layer, residual, weight, activation, kmajor)
     prologue = gemv.NormPrologue(r, w, 1e-5, 0.0, not layer, b, layer)
     assert gemv.norm_gemv_applies(x, W, prologue)
-    out, summed = gemv.norm_gemv_fwd(x, prologue, W, None, activation)
-    ref, ref_sum = _unfused(x, r, w, b, W, layer, 1e-5, activation)
+    # the normalised rows are also stored (a post-norm layer's next residual) on half the cases
+    normed = torch.empty_like(x) if activation == "none" else None
+    out, summed = gemv.norm_gemv_fwd(x, prologue, W, None, activation, normed=normed)
+    ref, ref_sum, ref_normed = _unfused(x, r, w, b, W, layer, 1e-5, activation)
+    if normed is not None:
+        assert_within_two_ulps(normed, ref_normed)
     assert out.dtype == dtype and out.shape == ref.shape
     scale = ref.float().abs().max().item()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
@@ -136,10 +149,13 @@ def test_norm_prologue_kmajor_split_and_bias():
     M, K, N = 1, 100, 40
     out = torch.empty(M, N, dtype=torch.float16)
     summed = torch.empty(M, K, dtype=torch.float16)
-    gemv_kmajor.gemv_kmajor_fwd(x, W, bias, "gelu", None, out, 1, 4, prologue, summed, config=(16, 16, 4, 4))
+    stored = torch.empty(M, K, dtype=torch.float16)
+    gemv_kmajor.gemv_kmajor_fwd(x, W, bias, "gelu", None, out, 1, 4, prologue, summed, config=(16, 16, 4, 4),
+                                normed=stored)
     normed, ref_sum = norm.add_layer_norm_fwd(x, r, w, b, 1e-5, True)
     ref = gemv.gemv_fwd(normed, W, bias, "gelu", None)
     assert torch.equal(summed, ref_sum)
+    assert_within_two_ulps(stored, normed)  # every split stores its own K range of the rows
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 
@@ -169,8 +185,10 @@ def test_kmajor_gpu(dtype, M, K, N, activation):
 def test_norm_prologue_gpu(kmajor, dtype, M, K, N, layer):
     x, r, w, b, W = (t.cuda() if t is not None else None
                      for t in _norm_case(M, K, N, dtype, layer, True, True, "none", kmajor))
-    out, summed = gemv.norm_gemv_fwd(x, gemv.NormPrologue(r, w, 1e-5, 0.0, not layer, b, layer), W)
-    ref, ref_sum = _unfused(x, r, w, b, W, layer, 1e-5, "none")
+    normed = torch.empty_like(x)
+    out, summed = gemv.norm_gemv_fwd(x, gemv.NormPrologue(r, w, 1e-5, 0.0, not layer, b, layer), W, normed=normed)
+    ref, ref_sum, ref_normed = _unfused(x, r, w, b, W, layer, 1e-5, "none")
     assert torch.equal(summed, ref_sum)
+    assert_within_two_ulps(normed, ref_normed)
     scale = ref.float().abs().max().item()
     assert (out.float() - ref.float()).abs().max().item() <= (2e-3 if dtype == torch.float16 else 1e-2) * scale

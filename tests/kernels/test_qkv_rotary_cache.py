@@ -39,11 +39,11 @@ def _case(device, dtype, B, n, K, HQ, HK, D, L, start, residual, bias, layer_nor
 
 def _unfused(a):
     if a["layer_norm"]:
-        qkv, summed = OPS.layer_norm_linear(a["x"], a["residual"], a["norm_weight"], a["norm_bias"], a["eps"],
-                                            a["weight"], a["bias"], "none")
+        qkv, summed, _ = OPS.layer_norm_linear(a["x"], a["residual"], a["norm_weight"], a["norm_bias"], a["eps"],
+                                               a["weight"], a["bias"], "none")
     else:
-        qkv, summed = OPS.rms_norm_linear(a["x"], a["residual"], a["norm_weight"], a["eps"], a["weight_offset"],
-                                          a["cast_before_weight"], a["weight"], a["bias"], "none")
+        qkv, summed, _ = OPS.rms_norm_linear(a["x"], a["residual"], a["norm_weight"], a["eps"], a["weight_offset"],
+                                             a["cast_before_weight"], a["weight"], a["bias"], "none")
     q, k, v = qkv_rotary_cache.split_heads(qkv, a["q_heads"], a["keys"].shape[1], a["keys"].shape[3])
     q_rot = OPS.rotary_kv_cache_write(a["keys"], a["values"], q, k, v, a["cos"], a["sin"], a["start"])
     return q_rot, summed

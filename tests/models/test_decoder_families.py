@@ -33,7 +33,7 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
               {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
-             {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 2}),
+             {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 4}),
 }
 # family -> the cache and rotary matches of a decode step's trace (generate() on the default static
 # cache). Mistral's sliding-window layers get a full-length static layer (runtime/generation.py), so

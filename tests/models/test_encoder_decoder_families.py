@@ -21,19 +21,19 @@ FAMILIES = {
     "t5": ("T5Config", "T5ForConditionalGeneration",
            dict(d_model=32, d_kv=16, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2, **COMMON),
            {**ATTENTION, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10,
-            "RMSNormLinear": 10}),
+            "RMSNormLinear": 11}),
     # v1.1 / flan: gated-GELU FFN (its gate and up merged, the GELU gate not fused), untied head, a head
     # dim that is not d_model / heads
     "t5-v1.1": ("T5Config", "T5ForConditionalGeneration",
                 dict(d_model=32, d_kv=24, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2,
                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, **COMMON),
                 {**ATTENTION, "SiblingLinears": 9, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2,
-                 "ResidualRMSNorm": 10, "RMSNormLinear": 11}),
+                 "ResidualRMSNorm": 10, "RMSNormLinear": 12}),
     # learned positions, post-norm, GELU
     "bart": ("BartConfig", "BartForConditionalGeneration",
              dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
                   encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, forced_eos_token_id=None, **COMMON),
-             {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1, "LayerNormLinear": 1}),
+             {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1, "LayerNormLinear": 12}),
 }
 
 

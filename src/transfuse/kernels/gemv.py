@@ -195,14 +195,17 @@ def _gemv_step(acc, acc_up, x_ptrs, w_ptrs, w_up_ptrs, mask_k, GATED: tl.constex
 
 @triton.jit
 def _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum,
-                 nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
+                 nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,
+                 eps, weight_offset, K,
                  NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr,
-                 LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
+                 LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr,
+                 STORE_NORMED: tl.constexpr = False):
     """rms_norm or layer_norm of x or of x + residual, for whole (BLOCK_M, 1, LANES, VEC) rows,
     rounded to x's dtype and widened back to fp32: what transfuse.kernels.norm's kernels store, by
     the same operations (their fp32 sums may associate differently: a last-bit difference in the
     statistics, at most an ulp in a normalised value). With a residual, the rounded sum is also
-    stored (by the programs for which `stores_sum`, rows that exist only)."""
+    stored, and with STORE_NORMED the normalised rows (by the programs for which `stores_sum`,
+    rows that exist only)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     row_offs = rows[:, None, None, None]
     x = tl.load(x_ptr + row_offs * stride_x_m + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -225,7 +228,11 @@ def _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum,
         y = y * g
     if NORM_BIAS:
         y = y + tl.load(nb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    return _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
+    y = _round_to(y, DTYPE, BF16_RNE_BY_HAND)
+    if STORE_NORMED:
+        tl.store(normed_ptr + row_offs * stride_normed_m + offs_k, y,
+                 mask=mask_k & row_ok[:, None, None, None] & stores_sum)
+    return y.to(tl.float32)
 
 
 # M and the workspace strides unspecialised: a new row count within a bucket, or a split launch
@@ -241,6 +248,7 @@ def _gemv_fwd_kernel(
     nres_ptr, stride_nres_m,  # the RMSNorm prologue's residual (NORM_RESIDUAL)
     nw_ptr, nb_ptr,  # its weight (NORM_WEIGHT) and bias (NORM_BIAS)
     sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
+    normed_ptr, stride_normed_m,  # where the normalised rows are stored (STORE_NORMED)
     eps, weight_offset,
     M, N, K,
     SPLIT_K,
@@ -257,6 +265,7 @@ def _gemv_fwd_kernel(
     NORM_BIAS: tl.constexpr = False,
     LAYER_NORM: tl.constexpr = False,  # layer_norm, else rms_norm
     CAST_BEFORE_WEIGHT: tl.constexpr = False,
+    STORE_NORMED: tl.constexpr = False,
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
@@ -300,8 +309,9 @@ def _gemv_fwd_kernel(
         # registers, exactly as the unfused norm kernel would store them, and multiplies those.
         mask_k = offs_k < K
         x = _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0,
-                         nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
-                         NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+                         nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,
+                         eps, weight_offset, K, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT,
+                         BF16_RNE_BY_HAND, STORE_NORMED)
         w = tl.load(w_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
         acc += tl.sum(x * w.to(tl.float32), axis=3)
         if GATED:
@@ -407,11 +417,14 @@ def norm_gemv_fwd(
     bias: torch.Tensor | None = None,
     activation: str = "none",
     config: tuple[int, int] | None = None,
+    normed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or
     s = x and an empty (0,) second output without a residual: the RMSNorm or LayerNorm that feeds a
     linear, in the GEMV's own launch. Every program normalises the rows itself (they are K <= NORM_K_MAX wide
-    and few), so the normalised activation never reaches memory and the norm costs no launch.
+    and few), so the normalised activation need not reach memory and the norm costs no launch.
+    `normed`, a contiguous tensor of x's shape and dtype, also receives the normalised rows (a
+    post-norm layer adds them again as its next residual: still no launch of its own).
     `config=(BLOCK_N, num_warps)` overrides the heuristic (benchmarks)."""
     if not norm_gemv_applies(x, weight, norm, GEMV_M_MAX):
         raise ValueError("norm_gemv_fwd: x, the norm's residual and weight must share a dtype and device, "
@@ -421,16 +434,21 @@ def norm_gemv_fwd(
     lead = x.shape[:-1]
     x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
+    if normed is not None and (normed.shape != x.shape or normed.dtype != x.dtype or normed.device != x.device
+                               or not normed.is_contiguous()):
+        raise ValueError(f"norm_gemv_fwd: normed must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
+                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty_like(x)")
+    normed2 = normed.view(M, K) if normed is not None else None
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
+    if M == 0 or N == 0:  # (no program runs: ops/norm_linear.py sends N == 0 to the unfused path)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     prologue = norm._replace(residual=res2)
     if gemv_kmajor.kmajor_layout(weight):
         gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, None, out, gemv_bucket(M), _num_sms(x.device),
-                                    prologue, summed)
+                                    prologue, summed, normed=normed2)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
-    norm_args, norm_flags = launch_args(prologue, x2, summed)
+    norm_args, norm_flags = launch_args(prologue, x2, summed, normed2)
     conf, block_k, vec, num_warps = norm_gemv_step(M, N, K, x, activation == "silu_mul")
     if config is not None:
         conf, num_warps = conf._replace(block_n=config[0]), config[1]

@@ -129,11 +129,14 @@ def _weight_tiles(w_ptrs, mask_k, mask_n2, N, GATED: tl.constexpr):
 
 @triton.jit
 def _x_chunk(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum, mean, rstd,
-             nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, weight_offset,
+             nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,
+             weight_offset,
              NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr,
-             LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
+             LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr,
+             STORE_NORMED: tl.constexpr):
     """x's (BLOCK_M, BLOCK_K) chunk in fp32: as stored, or normalised (NORM) with the rows'
-    statistics after the residual add, whose rounded sum the `stores_sum` programs store."""
+    statistics after the residual add, whose rounded sum (and with STORE_NORMED the normalised
+    chunk) the `stores_sum` programs store."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs_k[None, :], mask=mask_k[None, :], other=0.0,
                 eviction_policy="evict_last").to(tl.float32)
@@ -147,6 +150,9 @@ def _x_chunk(x_ptr, rows, stride_x_m, offs_k, mask_k, row_ok, stores_sum, mean, 
             x = s.to(tl.float32)
         x = _normed_chunk(x, offs_k, mask_k, mean, rstd, nw_ptr, nb_ptr, weight_offset,
                           NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, DTYPE, BF16_RNE_BY_HAND)
+        if STORE_NORMED:
+            tl.store(normed_ptr + rows[:, None] * stride_normed_m + offs_k[None, :], x.to(DTYPE),
+                     mask=mask_k[None, :] & row_ok[:, None] & stores_sum)
     return x
 
 
@@ -163,6 +169,7 @@ def _gemv_kmajor_kernel(
     nres_ptr, stride_nres_m,  # the norm prologue's residual (NORM_RESIDUAL)
     nw_ptr, nb_ptr,  # its weight (NORM_WEIGHT) and bias (NORM_BIAS)
     sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
+    normed_ptr, stride_normed_m,  # where the normalised rows are stored (STORE_NORMED)
     eps, weight_offset,
     M, N, K,
     SPLIT_K,
@@ -179,6 +186,7 @@ def _gemv_kmajor_kernel(
     LAYER_NORM: tl.constexpr = False,
     CAST_BEFORE_WEIGHT: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1,  # K's power of two, for the row statistics
+    STORE_NORMED: tl.constexpr = False,
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
@@ -222,8 +230,9 @@ def _gemv_kmajor_kernel(
     for _ in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end
         x = _x_chunk(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid_n == 0, mean, rstd,
-                     nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, weight_offset,
-                     NORM, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+                     nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,
+                     weight_offset, NORM, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT,
+                     BF16_RNE_BY_HAND, STORE_NORMED)
         w_now, w_up_now = w.to(tl.float32), w_up.to(tl.float32)
         offs_k += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
@@ -271,16 +280,18 @@ def gemv_kmajor_fwd(
     norm=None,
     summed: torch.Tensor | None = None,
     config: KMajorConfig | tuple[int, int, int, int] | None = None,
+    normed: torch.Tensor | None = None,
 ) -> None:
-    """Writes act(norm(x2) @ weight.T + bias) + res2 into out (M, N) and, with a norm residual, the
-    sum into summed (M, K). Called by gemv.gemv_fwd and gemv.norm_gemv_fwd, which check the
-    arguments, flatten the rows and allocate the outputs; `norm` is their NormPrologue or None."""
+    """Writes act(norm(x2) @ weight.T + bias) + res2 into out (M, N), with a norm residual the sum
+    into summed (M, K), and the normalised rows into normed (M, K) if given. Called by
+    gemv.gemv_fwd and gemv.norm_gemv_fwd, which check the arguments, flatten the rows and allocate
+    the outputs; `norm` is their NormPrologue or None."""
     M, K = x2.shape
     N = out.shape[1]
     conf = KMajorConfig(*config) if config is not None else default_config(M, N, K, num_sms)
     split_k = max(1, min(conf.split_k, triton.cdiv(K, conf.block_k)))
     epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
-    norm_args, norm_flags = launch_args(norm, x2, summed)
+    norm_args, norm_flags = launch_args(norm, x2, summed, normed)
     if norm is not None:
         norm_flags["NORM_BLOCK"] = next_power_of_2(K)
     _gemv_kmajor_kernel[(triton.cdiv(N, conf.block_n), split_k)](

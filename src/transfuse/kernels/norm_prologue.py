@@ -24,17 +24,22 @@ class NormPrologue(NamedTuple):
     layer: bool = False
 
 
-def launch_args(norm: NormPrologue | None, x2: torch.Tensor, summed: torch.Tensor | None = None) -> tuple[tuple, dict]:
-    """(the kernels' norm arguments: residual, its row stride, weight, bias, sum, its row stride, eps,
-    weight_offset; the NORM constexprs). `norm.residual` is already (M, K) like x2 and `summed` is
-    where x + residual goes. Without a norm, stand-ins that are never read and no flags (the
-    kernels' defaults: no prologue)."""
+def launch_args(norm: NormPrologue | None, x2: torch.Tensor, summed: torch.Tensor | None = None,
+                normed: torch.Tensor | None = None) -> tuple[tuple, dict]:
+    """(the kernels' norm arguments: residual, its row stride, weight, bias, sum, its row stride,
+    normalised rows, their row stride, eps, weight_offset; the NORM constexprs). `norm.residual` is
+    already (M, K) like x2, `summed` is where x + residual goes and `normed` (M, K), if given, where
+    the normalised rows go (a post-norm layer reads them again as its next residual). Without a
+    norm, stand-ins that are never read and no flags (the kernels' defaults: no prologue)."""
     if norm is None:
-        return (x2, 0, x2, x2, x2, 0, 0.0, 0.0), {}
+        return (x2, 0, x2, x2, x2, 0, x2, 0, 0.0, 0.0), {}
     res = norm.residual
     args = (res if res is not None else x2, res.stride(0) if res is not None else 0,
             norm.weight if norm.weight is not None else x2, norm.bias if norm.bias is not None else x2,
-            summed, summed.stride(0) if res is not None else 0, float(norm.eps), float(norm.weight_offset))
+            summed, summed.stride(0) if res is not None else 0,
+            normed if normed is not None else x2, normed.stride(0) if normed is not None else 0,
+            float(norm.eps), float(norm.weight_offset))
     flags = dict(NORM=True, NORM_RESIDUAL=res is not None, NORM_WEIGHT=norm.weight is not None,
-                 NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer, CAST_BEFORE_WEIGHT=norm.cast_before_weight)
+                 NORM_BIAS=norm.bias is not None, LAYER_NORM=norm.layer, CAST_BEFORE_WEIGHT=norm.cast_before_weight,
+                 STORE_NORMED=normed is not None)
     return args, flags

@@ -47,7 +47,8 @@ def _qkv_rotary_cache_fwd_kernel(
     x_ptr, stride_x_m,
     w_ptr, stride_w_n,  # unit stride along K
     bias_ptr,
-    nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset,  # the norm (launch_args)
+    nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,  # the norm
+    eps, weight_offset,  # (launch_args)
     q_out_ptr,  # (B, HQ, n, D) contiguous
     keys_ptr, stride_keys_b, stride_keys_h, stride_keys_s,  # unit stride along D
     values_ptr, stride_values_b, stride_values_h, stride_values_s,
@@ -66,6 +67,7 @@ def _qkv_rotary_cache_fwd_kernel(
     NORM_BIAS: tl.constexpr = False,
     LAYER_NORM: tl.constexpr = False,
     CAST_BEFORE_WEIGHT: tl.constexpr = False,
+    STORE_NORMED: tl.constexpr = False,
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
@@ -96,8 +98,9 @@ def _qkv_rotary_cache_fwd_kernel(
     acc_lo = tl.zeros((BLOCK_M, BLOCK_P, LANES), dtype=tl.float32)
     acc_hi = acc_lo
     x = _normed_rows(x_ptr, rows, stride_x_m, offs_k, mask_k, offs_m < M, pid == 0,
-                     nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, eps, weight_offset, K,
-                     NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT, BF16_RNE_BY_HAND)
+                     nres_ptr, stride_nres_m, nw_ptr, nb_ptr, sum_ptr, stride_sum_m, normed_ptr, stride_normed_m,
+                     eps, weight_offset, K, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS, LAYER_NORM, CAST_BEFORE_WEIGHT,
+                     BF16_RNE_BY_HAND, STORE_NORMED)
     w_lo = tl.load(w_lo_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")
     acc_lo += tl.sum(x * w_lo.to(tl.float32), axis=3)
     w_hi = tl.load(w_hi_ptrs, mask=mask_k, other=0.0, eviction_policy="evict_first")

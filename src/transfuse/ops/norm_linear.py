@@ -2,25 +2,29 @@
 residual add before it) and the one linear that reads it, as one op.
 
     rms_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float weight_offset,
-                    bool cast_before_weight, Tensor weight, Tensor? bias, str activation)
-        -> (Tensor out, Tensor sum)
+                    bool cast_before_weight, Tensor weight, Tensor? bias, str activation,
+                    bool store_normed=False) -> (Tensor out, Tensor sum, Tensor normed)
 
 out = transfuse.linear(rms_norm(s), weight, bias, activation, None) with s = x + residual (rounded to
 x's dtype) or s = x; sum = s when there is a residual (add_rms_norm's second output, the next
-residual), else an empty (0,) tensor. The norm's flags are transfuse.rms_norm's.
+residual), else an empty (0,) tensor; normed = rms_norm(s) when store_normed, else an empty (0,)
+tensor. The norm's flags are transfuse.rms_norm's.
 
     layer_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, Tensor? norm_bias, float eps,
-                      Tensor weight, Tensor? bias, str activation) -> (Tensor out, Tensor sum)
+                      Tensor weight, Tensor? bias, str activation, bool store_normed=False)
+        -> (Tensor out, Tensor sum, Tensor normed)
 
-the same with transfuse.layer_norm / add_layer_norm (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc).
+the same with transfuse.layer_norm / add_layer_norm (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc; with
+store_normed, BART's and BERT's post-norm layers, whose normalised rows are also the next residual).
 
-Why: in a decode step (one or two rows) each of a layer's two norms is a launch of its own
+Why: in a decode step (one or two rows) each of a layer's two or three norms is a launch of its own
 that costs as much as a small GEMV, for 2 * K values. With 1-2 rows the GEMV (kernels.gemv) loads
 whole rows of x in every program anyway, so each program normalises them itself
-(kernels.gemv.norm_gemv_fwd): one launch instead of two. With more rows, or shapes the GEMV does not
-take, the op runs the norm kernel and then transfuse.linear's own dispatch: the two ops it replaces.
-The normalised row is rounded to x's dtype where the unfused norm rounds it, so both paths feed the
-linear the same values. Forward only (the pass that creates it runs on inference graphs).
+(kernels.gemv.norm_gemv_fwd): one launch instead of two, and where the normalised rows are read
+again (store_normed) one program column stores them on the way. With more rows, or shapes the GEMV
+does not take, the op runs the norm kernel and then transfuse.linear's own dispatch: the two ops it
+replaces. The normalised row is rounded to x's dtype where the unfused norm rounds it, so both paths
+feed the linear the same values. Forward only (the pass that creates it runs on inference graphs).
 """
 
 from __future__ import annotations
@@ -40,7 +44,17 @@ from transfuse.ops.gemm import gemm_backend, linear_dispatch
 def _fused(x: torch.Tensor, weight: torch.Tensor, prologue: gemv.NormPrologue) -> bool:
     rows = math.prod(x.shape[:-1])
     return ((x.is_cuda or INTERPRET) and gemm_backend() != "torch" and 0 < rows <= gemv.GEMV_FAST_M_MAX
-            and gemv.norm_gemv_applies(x, weight, prologue))
+            and weight.shape[0] > 0 and gemv.norm_gemv_applies(x, weight, prologue))
+
+
+def _run_fused(x, prologue, weight, bias, activation, store_normed):
+    normed = torch.empty(x.shape, device=x.device, dtype=x.dtype) if store_normed else x.new_empty((0,))
+    out, summed = gemv.norm_gemv_fwd(x, prologue, weight, bias, activation, normed=normed if store_normed else None)
+    return out, summed, normed
+
+
+def _unused(normed: torch.Tensor, store_normed: bool) -> torch.Tensor:
+    return normed if store_normed else normed.new_empty((0,))
 
 
 @torch.library.custom_op("transfuse::rms_norm_linear", mutates_args=())
@@ -54,24 +68,26 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     activation: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x [+ residual])), x + residual or empty); see the module docstring."""
+    store_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x [+ residual])), x + residual or empty, the normalised rows or empty); see
+    the module docstring."""
     prologue = gemv.NormPrologue(residual, norm_weight, eps, weight_offset, cast_before_weight)
     if _fused(x, weight, prologue):
-        return gemv.norm_gemv_fwd(x, prologue, weight, bias, activation)
+        return _run_fused(x, prologue, weight, bias, activation, store_normed)
     if residual is None:
         normed = norm_kernels.rms_norm_fwd(x, norm_weight, eps, weight_offset, cast_before_weight)
         summed = x.new_empty((0,))
     else:
         normed, summed = norm_kernels.add_rms_norm_fwd(x, residual, norm_weight, eps, weight_offset,
                                                         cast_before_weight, True)
-    return linear_dispatch(normed, weight, bias, activation, None), summed
+    return linear_dispatch(normed, weight, bias, activation, None), summed, _unused(normed, store_normed)
 
 
 @rms_norm_linear.register_fake
-def _(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, bias, activation):
+def _(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, bias, activation, store_normed=False):
     norm_kernels.check_rms_norm_args(x, norm_weight, weight_offset, cast_before_weight, residual)
-    return _fake_outputs(x, residual, weight, bias, activation)
+    return _fake_outputs(x, residual, weight, bias, activation, store_normed)
 
 
 @torch.library.custom_op("transfuse::layer_norm_linear", mutates_args=())
@@ -84,25 +100,28 @@ def layer_norm_linear(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     activation: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(layer_norm(x [+ residual])), x + residual or empty); see the module docstring."""
+    store_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(linear(layer_norm(x [+ residual])), x + residual or empty, the normalised rows or empty);
+    see the module docstring."""
     prologue = gemv.NormPrologue(residual, norm_weight, eps, 0.0, False, norm_bias, True)
     if _fused(x, weight, prologue):
-        return gemv.norm_gemv_fwd(x, prologue, weight, bias, activation)
+        return _run_fused(x, prologue, weight, bias, activation, store_normed)
     if residual is None:
         normed = norm_kernels.layer_norm_fwd(x, norm_weight, norm_bias, eps)
         summed = x.new_empty((0,))
     else:
         normed, summed = norm_kernels.add_layer_norm_fwd(x, residual, norm_weight, norm_bias, eps, True)
-    return linear_dispatch(normed, weight, bias, activation, None), summed
+    return linear_dispatch(normed, weight, bias, activation, None), summed, _unused(normed, store_normed)
 
 
 @layer_norm_linear.register_fake
-def _(x, residual, norm_weight, norm_bias, eps, weight, bias, activation):
+def _(x, residual, norm_weight, norm_bias, eps, weight, bias, activation, store_normed=False):
     norm_kernels.check_layer_norm_args(x, norm_weight, norm_bias, residual)
-    return _fake_outputs(x, residual, weight, bias, activation)
+    return _fake_outputs(x, residual, weight, bias, activation, store_normed)
 
 
-def _fake_outputs(x, residual, weight, bias, activation):
+def _fake_outputs(x, residual, weight, bias, activation, store_normed):
     n_out = gemm_kernels.check_linear_args(x, weight, bias, activation, None)
-    return x.new_empty((*x.shape[:-1], n_out)), x.new_empty(x.shape if residual is not None else (0,))
+    return (x.new_empty((*x.shape[:-1], n_out)), x.new_empty(x.shape if residual is not None else (0,)),
+            x.new_empty(x.shape if store_normed else (0,)))

@@ -73,10 +73,10 @@ def qkv_rotary_cache_write(
             and kernels.qkv_rotary_cache_applies(x, prologue, weight, bias, keys, values, cos, sin, q_heads)):
         return kernels.qkv_rotary_cache_fwd(x, prologue, weight, bias, keys, values, cos, sin, start, q_heads)
     if layer_norm:
-        qkv, summed = torch.ops.transfuse.layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, "none")
+        qkv, summed, _ = torch.ops.transfuse.layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, "none")
     else:
-        qkv, summed = torch.ops.transfuse.rms_norm_linear(x, residual, norm_weight, eps, weight_offset,
-                                                          cast_before_weight, weight, bias, "none")
+        qkv, summed, _ = torch.ops.transfuse.rms_norm_linear(x, residual, norm_weight, eps, weight_offset,
+                                                             cast_before_weight, weight, bias, "none")
     q, k, v = kernels.split_heads(qkv, q_heads, keys.shape[1], keys.shape[3])
     return rotary_kv_cache_write_fwd(keys, values, q, k, v, cos, sin, start), summed
 

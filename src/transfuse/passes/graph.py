@@ -295,6 +295,9 @@ _PURE_METHODS = frozenset({
     "mul", "add", "sub", "div", "neg", "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze",
     "squeeze", "expand", "narrow", "size", "dim", "clone", "any", "all", "isinf", "isnan", "abs", "eq", "ne",
     "isfinite", "logical_not", "logical_or", "logical_and", "clamp", "where",
+    # views into pieces: a fused projection's output split after its readers moved to a merged op
+    # (Phi-3's gate_up_proj, chunked, once SwiGLU reads the weight itself) keeps the GEMM alive
+    "chunk", "split", "unbind", "tensor_split", "split_with_sizes",
 })
 _PURE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
@@ -303,6 +306,7 @@ _PURE_FUNCTIONS = frozenset({
     torch.isinf, torch.isnan, torch.any, torch.all, torch.abs, torch.eq, torch.ne,
     # and the BART family's, made a select (branchless.py, passes/clamp.py's OverflowSelect)
     torch.isfinite, torch.logical_not, torch.logical_or, torch.logical_and, torch.clamp, torch.where,
+    torch.chunk, torch.split, torch.unbind, torch.tensor_split,
 })
 
 

@@ -98,7 +98,7 @@ def registry() -> list[Pass]:
         Pass("rms_norm", rms_norm.run, "RMSNorm (hand-written or F.rms_norm), with its residual add -> transfuse norm ops", trains=True),
         Pass("cross_entropy", cross_entropy.run, "the LM loss (and its head when nothing else reads the logits) -> transfuse.cross_entropy", trains=True),
         Pass("linear", linear.run, "linear + activation + residual add -> transfuse.linear (linear_train in training)", trains=True),
-        Pass("norm_linear", norm_linear.run, "an RMSNorm or LayerNorm and the one linear reading it -> transfuse.rms_norm_linear / layer_norm_linear"),
+        Pass("norm_linear", norm_linear.run, "an RMSNorm or LayerNorm and the (first) linear reading it -> transfuse.rms_norm_linear / layer_norm_linear"),
         Pass("qkv_rotary_cache", qkv_rotary_cache.run, "a norm + Q/K/V linear and its rotary + cache write -> transfuse.qkv_rotary_cache_write"),
         Pass("cache_length", cache_length.run, "every layer's cache-length add_ -> one _foreach_add_ at the end"),
     ]

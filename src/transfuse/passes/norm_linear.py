@@ -1,4 +1,4 @@
-"""A norm and the one linear that reads it -> one op: `RMSNormLinear` (transfuse.rms_norm_linear)
+"""A norm and the first linear that reads it -> one op: `RMSNormLinear` (transfuse.rms_norm_linear)
 and `LayerNormLinear` (transfuse.layer_norm_linear).
 
 After the norm and linear passes, a Llama-style layer reads
@@ -12,9 +12,15 @@ and a GPT-2 layer the same with add_layer_norm, its linear reading h through a (
 two kernels as before (ops/norm_linear.py). The sum s, when read, is the fused op's second output;
 through the view, the fused op's (..., N) output is reshaped to the linear's (rows, N).
 
-Left alone: a normalised row read by anything else as well (it would have to be stored anyway),
-a linear that also adds a residual, a norm whose output dtype differs from x's or the weight's.
-Inference graphs only (the fused ops have no backward).
+A post-norm layer (BERT, BART: h = LayerNorm(x + residual), then h feeds the next linear and is
+the next residual) reads the normalised rows again: the fused op then also returns them
+(store_normed, its third output), stored on the way by the GEMV's first program column, so the
+norm still costs no launch of its own. Where several linears read the rows, the first one takes
+the norm.
+
+Left alone: a linear that also adds a residual, a norm whose output dtype differs from x's or the
+weight's, normalised rows read before the linear's weight is computed. Inference graphs only (the
+fused ops have no backward).
 """
 
 from __future__ import annotations
@@ -60,23 +66,33 @@ def _fused_call(norm: fx.Node, weight, bias, activation) -> tuple:
     return _OPS.layer_norm_linear.default, (x, residual, norm_weight, norm_bias, eps, weight, bias, activation), x
 
 
-def _linear_of(normed: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
-    """(the transfuse.linear that is normed's one reader, the (rows, K) view it reads normed
-    through or None); (None, None) when there is no such linear."""
-    user = single_user(normed)
+def _reading_linear(normed: fx.Node, user: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """(the transfuse.linear that reads normed as its x through `user`, which is that linear or a
+    (rows, K) view whose one reader it is; the view or None), or (None, None)."""
     view = None
-    if user is not None and kind(user) in ("view", "reshape") and user.args[0] is normed:
+    if kind(user) in ("view", "reshape") and user.args[0] is normed:
         rows, meta = tensor_meta(user), tensor_meta(normed)
         if rows is None or meta is None or rows.dim() != 2 or rows.shape[-1] != meta.shape[-1]:
             return None, None
         view, user = user, single_user(user)
     reads = view if view is not None else normed
-    if (user is None or user.target is not _OPS.linear.default
+    if (user is None or user.op != "call_function" or user.target is not _OPS.linear.default
             or user.args[0] is not reads or reads in user.args[1:]):
         return None, None
     if view is not None and not isinstance(tensor_meta(user).shape[-1], int):
         return None, None
     return user, view
+
+
+def _linear_of(normed: fx.Node, order: dict) -> tuple[fx.Node | None, fx.Node | None, list[fx.Node]]:
+    """(the first transfuse.linear that reads normed, the (rows, K) view it reads normed through or
+    None, normed's other readers); (None, None, []) when no linear reads it."""
+    found = [(linear, view) for linear, view in (_reading_linear(normed, u) for u in normed.users) if linear is not None]
+    if not found:
+        return None, None, []
+    linear, view = min(found, key=lambda lv: order[lv[0]])
+    others = [u for u in normed.users if u is not linear and u is not view]
+    return linear, view, others
 
 
 def run(ctx: PassContext) -> None:
@@ -90,7 +106,7 @@ def run(ctx: PassContext) -> None:
         if found is None:
             continue
         normed, summed = found
-        linear, view = _linear_of(normed)
+        linear, view, others = _linear_of(normed, order)
         if linear is None:
             continue
         weight, bias, activation, lin_residual = linear.args[1:]
@@ -106,11 +122,16 @@ def run(ctx: PassContext) -> None:
         later = [t for t in (weight, bias) if isinstance(t, fx.Node)]
         if all(order[t] < order[norm] for t in later):
             where = norm
-        elif summed is None or all(order[u] > order[linear] for u in summed.users):
-            where = linear
-        else:
+        elif summed is not None and any(order[u] < order[linear] for u in summed.users):
             ctx.reject(pattern, norm, "the sum is read before the linear's weight is computed")
             continue
+        elif any(order[u] < order[linear] for u in others):
+            ctx.reject(pattern, norm, "the normalised rows are read before the linear's weight is computed")
+            continue
+        else:
+            where = linear
+        if others:
+            args = (*args, True)  # store_normed: the fused op's third output
         with graph.inserting_before(where):
             fused = graph.call_function(op, args)
             out = graph.call_function(operator.getitem, (fused, 0))
@@ -122,6 +143,9 @@ def run(ctx: PassContext) -> None:
             if summed is not None:
                 new_sum = graph.call_function(operator.getitem, (fused, 1))
                 new_sum.meta.update(summed.meta)
+            if others:
+                new_normed = graph.call_function(operator.getitem, (fused, 2))
+                new_normed.meta.update(normed.meta)
         linear.replace_all_uses_with(out)
         graph.erase_node(linear)
         if view is not None:
@@ -129,6 +153,8 @@ def run(ctx: PassContext) -> None:
         if summed is not None:
             summed.replace_all_uses_with(new_sum)
             graph.erase_node(summed)
+        if others:
+            normed.replace_all_uses_with(new_normed)
         if normed is not norm:
             graph.erase_node(normed)
         graph.erase_node(norm)

@@ -30,6 +30,8 @@ from transfuse.passes.manager import PassContext
 PATTERN = "QKVRotaryCache"
 _OPS = torch.ops.transfuse
 _NORM_LINEAR = (_OPS.rms_norm_linear.default, _OPS.layer_norm_linear.default)
+# their arguments up to the activation; store_normed may follow
+_NORM_LINEAR_ARGS = {_OPS.rms_norm_linear.default: 9, _OPS.layer_norm_linear.default: 8}
 
 
 def _view_chain(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
@@ -112,10 +114,10 @@ def _layout(out: fx.Node, views: set[fx.Node], q: fx.Node, k: fx.Node, v: fx.Nod
 def _fused_args(norm_linear: fx.Node, write: fx.Node, q_heads: int) -> tuple:
     keys, values, _q, _k, _v, cos, sin, start = write.args
     if norm_linear.target is _OPS.rms_norm_linear.default:
-        x, residual, norm_weight, eps, offset, cast, weight, bias, _act = norm_linear.args
+        x, residual, norm_weight, eps, offset, cast, weight, bias, _act = norm_linear.args[:9]
         norm = (x, residual, norm_weight, None, eps, offset, cast, False)
     else:
-        x, residual, norm_weight, norm_bias, eps, weight, bias, _act = norm_linear.args
+        x, residual, norm_weight, norm_bias, eps, weight, bias, _act = norm_linear.args[:8]
         norm = (x, residual, norm_weight, norm_bias, eps, 0.0, False, True)
     return (*norm, weight, bias, keys, values, cos, sin, start, q_heads)
 
@@ -147,7 +149,10 @@ def run(ctx: PassContext) -> None:
         norm_linear = out.args[0]
         if not (isinstance(norm_linear, fx.Node) and norm_linear.target in _NORM_LINEAR):
             continue
-        if norm_linear.args[-1] != "none":
+        if len(norm_linear.args) > _NORM_LINEAR_ARGS[norm_linear.target] and norm_linear.args[-1]:
+            ctx.reject(PATTERN, write, "the normalised rows are read again (a post-norm layer's residual)")
+            continue
+        if norm_linear.args[_NORM_LINEAR_ARGS[norm_linear.target] - 1] != "none":
             ctx.reject(PATTERN, write, "the Q/K/V linear has an activation")
             continue
         views = {n for _, chain in found for n in chain}
