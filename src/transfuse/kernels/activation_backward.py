@@ -62,8 +62,18 @@ class ActivationConfig:
     num_warps: int
 
 
-# Under the interpreter: tiles small enough that tiny test shapes cross row and column edges.
+# Under the interpreter: tiles small enough that tiny test shapes cross row and column edges. A
+# larger problem (a model test's MLP) takes larger tiles: each program is a pass of Python over
+# its tile's ops, so 4 x 16 tiles made a 24 x 128 activation 48 passes, 0.2-0.3 s a call, and
+# these two kernels a quarter of the interpreter's time in the model and training tests.
 _INTERPRET_CONFIG = ActivationConfig(BLOCK_M=4, BLOCK_N=16, num_warps=1)
+_INTERPRET_LARGE_CONFIG = ActivationConfig(BLOCK_M=16, BLOCK_N=64, num_warps=1)
+_INTERPRET_LARGE = 2048  # elements from which a problem takes the larger tiles
+
+
+def _for_interpreter(config: ActivationConfig, rows: int, cols: int) -> ActivationConfig:
+    """config, or under the interpreter the larger tiles for a problem of more than _INTERPRET_LARGE elements."""
+    return _INTERPRET_LARGE_CONFIG if INTERPRET and rows * cols > _INTERPRET_LARGE else config
 
 
 def activation_config(n_cols: int, widest: int = 256) -> ActivationConfig:
@@ -279,12 +289,13 @@ def activation_fwd(pre: torch.Tensor, activation: str, residual: torch.Tensor | 
         return out
     pre2, out2 = _rows(pre), out.view(-1, n)
     res2 = residual.reshape(-1, n) if residual is not None else None
+    config = _for_interpreter(activation_fwd_config(n), out2.shape[0], n)
     _launch(_activation_fwd_kernel, pre, n,
             pre2, pre2.stride(0),
             res2 if res2 is not None else out2, res2.stride(0) if res2 is not None else 0,
             res2.stride(1) if res2 is not None else 0,  # absent: out stands in, never read
             out2, out2.stride(0),
-            config=activation_fwd_config(n), ACTIVATION=activation, HAS_RESIDUAL=res2 is not None)
+            config=config, ACTIVATION=activation, HAS_RESIDUAL=res2 is not None)
     return out
 
 
@@ -298,7 +309,7 @@ def _activation_bwd(grad_out, pre, activation, with_dbias, dbias_dtype=None):
     pre2, grad_pre2 = _rows(pre), grad_pre.view(-1, width)
     grad2 = grad_out.reshape(-1, n)
     m = grad2.shape[0]
-    config = activation_dbias_config(n) if with_dbias else activation_config(n)
+    config = _for_interpreter(activation_dbias_config(n) if with_dbias else activation_config(n), m, n)
     if with_dbias:
         # few enough programs that the partial rows stay small: a chunk of rows each
         rows_per_chunk, n_chunks = bias_grad.row_chunks(
