@@ -100,6 +100,11 @@ def test_post_norm_layer(rows, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     for o, r in zip(out, ref):
         assert rel_err(o, r) < tol
+    # both norms' rows are read again (store_normed) and neither sum is (store_sum=False): the
+    # unfused path must not write a residual sum nobody reads
+    fused = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes
+             if n.target is torch.ops.transfuse.layer_norm_linear.default]
+    assert [n.args[8:] for n in fused] == [(True, False)] * 2
 
 
 def _op_args(rows, residual=True):
@@ -116,9 +121,14 @@ def test_op_opcheck(residual):
     torch.library.opcheck(torch.ops.transfuse.rms_norm_linear.default, _op_args(1, residual))
 
 
-def test_op_opcheck_store_normed():
+@pytest.mark.parametrize("rows", [2, 3])
+def test_op_opcheck_store_normed(rows):
+    """store_normed with the sum unread (store_sum=False, a post-norm layer), on the fused GEMV (2
+    rows) and on the two kernels (3 rows)."""
     torch.library.opcheck(torch.ops.transfuse.layer_norm_linear.default,
-                          (*_layer_op_args(2), True))
+                          (*_layer_op_args(rows), True, False))
+    out, summed, normed = torch.ops.transfuse.layer_norm_linear(*_layer_op_args(rows), True, False)
+    assert summed.numel() == 0 and normed.shape == (rows, 40)
 
 
 def _layer_op_args(rows):

@@ -3,15 +3,18 @@ residual add before it) and the one linear that reads it, as one op.
 
     rms_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float weight_offset,
                     bool cast_before_weight, Tensor weight, Tensor? bias, str activation,
-                    bool store_normed=False) -> (Tensor out, Tensor sum, Tensor normed)
+                    bool store_normed=False, bool store_sum=True) -> (Tensor out, Tensor sum, Tensor normed)
 
 out = transfuse.linear(rms_norm(s), weight, bias, activation, None) with s = x + residual (rounded to
 x's dtype) or s = x; sum = s when there is a residual (add_rms_norm's second output, the next
-residual), else an empty (0,) tensor; normed = rms_norm(s) when store_normed, else an empty (0,)
-tensor. The norm's flags are transfuse.rms_norm's.
+residual) unless store_sum is False, else an empty (0,) tensor; normed = rms_norm(s) when
+store_normed, else an empty (0,) tensor. The norm's flags are transfuse.rms_norm's. A post-norm layer
+never reads the sum (its residual is the normalised rows): store_sum=False keeps the unfused path
+from writing it.
 
     layer_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, Tensor? norm_bias, float eps,
-                      Tensor weight, Tensor? bias, str activation, bool store_normed=False)
+                      Tensor weight, Tensor? bias, str activation, bool store_normed=False,
+                      bool store_sum=True)
         -> (Tensor out, Tensor sum, Tensor normed)
 
 the same with transfuse.layer_norm / add_layer_norm (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc; with
@@ -47,10 +50,11 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, prologue: gemv.NormPrologue) -
             and weight.shape[0] > 0 and gemv.norm_gemv_applies(x, weight, prologue))
 
 
-def _run_fused(x, prologue, weight, bias, activation, store_normed):
+def _run_fused(x, prologue, weight, bias, activation, store_normed, store_sum):
     normed = torch.empty(x.shape, device=x.device, dtype=x.dtype) if store_normed else x.new_empty((0,))
     out, summed = gemv.norm_gemv_fwd(x, prologue, weight, bias, activation, normed=normed if store_normed else None)
-    return out, summed, normed
+    # (1-2 rows: the kernel's sum store is a few KB; it is simply not returned)
+    return out, summed if store_sum else x.new_empty((0,)), normed
 
 
 def _unused(normed: torch.Tensor, store_normed: bool) -> torch.Tensor:
@@ -69,25 +73,27 @@ def rms_norm_linear(
     bias: Optional[torch.Tensor],
     activation: str,
     store_normed: bool = False,
+    store_sum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x [+ residual])), x + residual or empty, the normalised rows or empty); see
     the module docstring."""
     prologue = gemv.NormPrologue(residual, norm_weight, eps, weight_offset, cast_before_weight)
     if _fused(x, weight, prologue):
-        return _run_fused(x, prologue, weight, bias, activation, store_normed)
+        return _run_fused(x, prologue, weight, bias, activation, store_normed, store_sum)
     if residual is None:
         normed = norm_kernels.rms_norm_fwd(x, norm_weight, eps, weight_offset, cast_before_weight)
         summed = x.new_empty((0,))
     else:
         normed, summed = norm_kernels.add_rms_norm_fwd(x, residual, norm_weight, eps, weight_offset,
-                                                        cast_before_weight, True)
+                                                        cast_before_weight, store_sum)
     return linear_dispatch(normed, weight, bias, activation, None), summed, _unused(normed, store_normed)
 
 
 @rms_norm_linear.register_fake
-def _(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, bias, activation, store_normed=False):
+def _(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, bias, activation, store_normed=False,
+      store_sum=True):
     norm_kernels.check_rms_norm_args(x, norm_weight, weight_offset, cast_before_weight, residual)
-    return _fake_outputs(x, residual, weight, bias, activation, store_normed)
+    return _fake_outputs(x, residual, weight, bias, activation, store_normed, store_sum)
 
 
 @torch.library.custom_op("transfuse::layer_norm_linear", mutates_args=())
@@ -101,27 +107,28 @@ def layer_norm_linear(
     bias: Optional[torch.Tensor],
     activation: str,
     store_normed: bool = False,
+    store_sum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(linear(layer_norm(x [+ residual])), x + residual or empty, the normalised rows or empty);
     see the module docstring."""
     prologue = gemv.NormPrologue(residual, norm_weight, eps, 0.0, False, norm_bias, True)
     if _fused(x, weight, prologue):
-        return _run_fused(x, prologue, weight, bias, activation, store_normed)
+        return _run_fused(x, prologue, weight, bias, activation, store_normed, store_sum)
     if residual is None:
         normed = norm_kernels.layer_norm_fwd(x, norm_weight, norm_bias, eps)
         summed = x.new_empty((0,))
     else:
-        normed, summed = norm_kernels.add_layer_norm_fwd(x, residual, norm_weight, norm_bias, eps, True)
+        normed, summed = norm_kernels.add_layer_norm_fwd(x, residual, norm_weight, norm_bias, eps, store_sum)
     return linear_dispatch(normed, weight, bias, activation, None), summed, _unused(normed, store_normed)
 
 
 @layer_norm_linear.register_fake
-def _(x, residual, norm_weight, norm_bias, eps, weight, bias, activation, store_normed=False):
+def _(x, residual, norm_weight, norm_bias, eps, weight, bias, activation, store_normed=False, store_sum=True):
     norm_kernels.check_layer_norm_args(x, norm_weight, norm_bias, residual)
-    return _fake_outputs(x, residual, weight, bias, activation, store_normed)
+    return _fake_outputs(x, residual, weight, bias, activation, store_normed, store_sum)
 
 
-def _fake_outputs(x, residual, weight, bias, activation, store_normed):
+def _fake_outputs(x, residual, weight, bias, activation, store_normed, store_sum):
     n_out = gemm_kernels.check_linear_args(x, weight, bias, activation, None)
-    return (x.new_empty((*x.shape[:-1], n_out)), x.new_empty(x.shape if residual is not None else (0,)),
+    return (x.new_empty((*x.shape[:-1], n_out)), x.new_empty(x.shape if residual is not None and store_sum else (0,)),
             x.new_empty(x.shape if store_normed else (0,)))

@@ -130,8 +130,11 @@ def run(ctx: PassContext) -> None:
             continue
         else:
             where = linear
-        if others:
-            args = (*args, True)  # store_normed: the fused op's third output
+        # store_normed: the fused op's third output; store_sum=False where a residual's sum is
+        # never read (a post-norm layer), so that the unfused path (3+ rows) does not write it
+        unread_sum = summed is None and args[1] is not None
+        if others or unread_sum:
+            args = (*args, bool(others), not unread_sum)
         with graph.inserting_before(where):
             fused = graph.call_function(op, args)
             out = graph.call_function(operator.getitem, (fused, 0))

@@ -30,7 +30,7 @@ from transfuse.passes.manager import PassContext
 PATTERN = "QKVRotaryCache"
 _OPS = torch.ops.transfuse
 _NORM_LINEAR = (_OPS.rms_norm_linear.default, _OPS.layer_norm_linear.default)
-# their arguments up to the activation; store_normed may follow
+# their arguments up to the activation; store_normed and store_sum may follow
 _NORM_LINEAR_ARGS = {_OPS.rms_norm_linear.default: 9, _OPS.layer_norm_linear.default: 8}
 
 
@@ -149,7 +149,8 @@ def run(ctx: PassContext) -> None:
         norm_linear = out.args[0]
         if not (isinstance(norm_linear, fx.Node) and norm_linear.target in _NORM_LINEAR):
             continue
-        if len(norm_linear.args) > _NORM_LINEAR_ARGS[norm_linear.target] and norm_linear.args[-1]:
+        flags = norm_linear.args[_NORM_LINEAR_ARGS[norm_linear.target]:]  # (store_normed, store_sum) or ()
+        if flags and flags[0]:
             ctx.reject(PATTERN, write, "the normalised rows are read again (a post-norm layer's residual)")
             continue
         if norm_linear.args[_NORM_LINEAR_ARGS[norm_linear.target] - 1] != "none":
