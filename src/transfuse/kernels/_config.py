@@ -32,6 +32,17 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+# Under the interpreter each program is a pass of Python over its tile's ops, so kernels whose
+# interpreter tiles are tiny (so that kernel tests' tiny shapes cross every edge) take larger tiles
+# for a problem over this many elements (a model test's activation or gradient).
+_INTERPRET_LARGE_ELEMENTS = 2048
+
+
+def interpreter_large(rows: int, cols: int) -> bool:
+    """Whether, under the interpreter, a (rows, cols) problem takes a kernel's larger interpreter tiles."""
+    return INTERPRET and rows * cols > _INTERPRET_LARGE_ELEMENTS
+
+
 # -------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (Hopper and later): a kernel launched with launch_pdl=True may be
 # scheduled while the kernel before it in the stream is finishing, and waits for it

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels import bias_grad
-from transfuse.kernels._config import INTERPRET, next_power_of_2
+from transfuse.kernels._config import INTERPRET, interpreter_large, next_power_of_2
 from transfuse.kernels.gemm import ACTIVATIONS, _activate
 from transfuse.kernels.norm import _round_to
 
@@ -62,18 +62,17 @@ class ActivationConfig:
     num_warps: int
 
 
-# Under the interpreter: tiles small enough that tiny test shapes cross row and column edges. A
-# larger problem (a model test's MLP) takes larger tiles: each program is a pass of Python over
-# its tile's ops, so 4 x 16 tiles made a 24 x 128 activation 48 passes, 0.2-0.3 s a call, and
-# these two kernels a quarter of the interpreter's time in the model and training tests.
+# Under the interpreter: tiles small enough that tiny test shapes cross row and column edges, and
+# larger ones for a larger problem (_config.interpreter_large): 4 x 16 tiles made a model test's
+# 24 x 128 activation 48 passes of Python, 0.2-0.3 s a call, and these two kernels a quarter of the
+# interpreter's time in the model and training tests.
 _INTERPRET_CONFIG = ActivationConfig(BLOCK_M=4, BLOCK_N=16, num_warps=1)
 _INTERPRET_LARGE_CONFIG = ActivationConfig(BLOCK_M=16, BLOCK_N=64, num_warps=1)
-_INTERPRET_LARGE = 2048  # elements from which a problem takes the larger tiles
 
 
 def _for_interpreter(config: ActivationConfig, rows: int, cols: int) -> ActivationConfig:
-    """config, or under the interpreter the larger tiles for a problem of more than _INTERPRET_LARGE elements."""
-    return _INTERPRET_LARGE_CONFIG if INTERPRET and rows * cols > _INTERPRET_LARGE else config
+    """config, or the interpreter's larger tiles for a (rows, cols) problem that takes them."""
+    return _INTERPRET_LARGE_CONFIG if interpreter_large(rows, cols) else config
 
 
 def activation_config(n_cols: int, widest: int = 256) -> ActivationConfig:

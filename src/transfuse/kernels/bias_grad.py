@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, interpreter_large, next_power_of_2, pdl, wait_for_previous_kernel
 from transfuse.kernels.norm import _round_to
 
 
@@ -53,10 +53,8 @@ class BiasGradConfig:
 # Under the interpreter: tiles small enough that tiny test shapes cross row, chunk and column edges.
 _INTERPRET_CONFIG = BiasGradConfig(BLOCK_M=4, BLOCK_N=16, num_warps=1, programs_per_sm=2)
 _INTERPRET_SMS = 4
-# A larger problem (a model test's gradient) takes larger tiles: every program's every row step is a
-# pass of Python over the tile's ops (kernels/activation_backward.py has the same rule).
+# and for a larger problem (a model test's gradient: _config.interpreter_large), larger tiles
 _INTERPRET_LARGE_CONFIG = BiasGradConfig(BLOCK_M=16, BLOCK_N=64, num_warps=1, programs_per_sm=2)
-_INTERPRET_LARGE = 2048  # elements from which a problem takes the larger tiles
 
 
 def bias_grad_config(n_cols: int) -> BiasGradConfig:
@@ -212,8 +210,7 @@ def bias_grad(dy: torch.Tensor, out_dtype: torch.dtype | None = None,
         return torch.zeros((n_cols,), dtype=out_dtype, device=dy.device)  # an empty sum is 0
     _check_runnable(dy, "dy")
     if config is None:
-        large = INTERPRET and m * n_cols > _INTERPRET_LARGE
-        config = _INTERPRET_LARGE_CONFIG if large else bias_grad_config(n_cols)
+        config = _INTERPRET_LARGE_CONFIG if interpreter_large(m, n_cols) else bias_grad_config(n_cols)
     n_col_blocks = triton.cdiv(n_cols, config.BLOCK_N)
     rows_per_chunk, n_chunks = row_chunks(m, n_col_blocks, config.BLOCK_M, config.programs_per_sm, dy.device)
     partials, out = new_partials(n_chunks, n_cols, out_dtype, dy)

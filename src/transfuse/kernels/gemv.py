@@ -446,7 +446,7 @@ def norm_gemv_fwd(
     if normed is not None and (normed.shape != x.shape or normed.dtype != x.dtype or normed.device != x.device
                                or not normed.is_contiguous()):
         raise ValueError(f"norm_gemv_fwd: normed must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
-                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty_like(x)")
+                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty(x.shape, ...)")
     normed2 = normed.view(M, K) if normed is not None else None
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)

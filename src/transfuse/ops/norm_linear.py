@@ -1,5 +1,5 @@
 """torch.ops.transfuse.rms_norm_linear / layer_norm_linear: an RMSNorm or a LayerNorm (with the
-residual add before it) and the one linear that reads it, as one op.
+residual add before it) and the (first) linear that reads it, as one op.
 
     rms_norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float weight_offset,
                     bool cast_before_weight, Tensor weight, Tensor? bias, str activation,
@@ -51,10 +51,10 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, prologue: gemv.NormPrologue) -
 
 
 def _run_fused(x, prologue, weight, bias, activation, store_normed, store_sum):
-    normed = torch.empty(x.shape, device=x.device, dtype=x.dtype) if store_normed else x.new_empty((0,))
-    out, summed = gemv.norm_gemv_fwd(x, prologue, weight, bias, activation, normed=normed if store_normed else None)
+    normed = torch.empty(x.shape, device=x.device, dtype=x.dtype) if store_normed else None
+    out, summed = gemv.norm_gemv_fwd(x, prologue, weight, bias, activation, normed=normed)
     # (1-2 rows: the kernel's sum store is a few KB; it is simply not returned)
-    return out, summed if store_sum else x.new_empty((0,)), normed
+    return out, summed if store_sum else x.new_empty((0,)), normed if store_normed else x.new_empty((0,))
 
 
 def _unused(normed: torch.Tensor, store_normed: bool) -> torch.Tensor:
