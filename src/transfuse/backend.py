@@ -16,6 +16,7 @@ from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
 from transfuse.kernels._config import INTERPRET
 from transfuse.ops.cross_entropy import attach_returned_logits
 from transfuse.passes.graph import static_inputs, written_inputs
+from transfuse.passes.host_tensors import host_copies
 from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
@@ -95,6 +96,12 @@ class Backend:
         self.merged.append(merged)
         use_graphs = (self.options.get("cuda_graphs", True) and not training and _on_cuda(example_inputs)
                       and _graph_safe(gm, example_inputs))
+        copies = host_copies(gm) if use_graphs else []
+        if copies:  # a host tensor the passes could not build on the GPU: capture would refuse its copy
+            use_graphs = False
+            ctx.rejections.append(Rejection("CudaGraphs", copies[0].name,
+                                            "copies a tensor built on the CPU to the GPU at every call; "
+                                            "this graph runs without CUDA graphs"))
         # Inputs the graph writes in place (a static KV cache): a CUDA graph must write the caller's
         # tensor itself, not a copy, so they are read in place like parameters and never padded.
         written = sorted(written_inputs(gm) - set(static))

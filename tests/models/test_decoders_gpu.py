@@ -163,3 +163,22 @@ def test_generate_with_graphs_equals_eager(family):
     loop = opt._transfuse_state.decode_loop
     if loop is not None and loop.calls:
         assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
+
+
+def test_prophetnet_generate_with_graphs_equals_eager():
+    """ProphetNet builds its relative positions on the CPU and copies them to the GPU in every
+    decoder layer (found by bench/family_sweep.py: CUDA graph capture refused the copy and
+    generate() raised). The passes build them on the GPU: eager's tokens, and no graph left out of
+    CUDA graphs for a host copy."""
+    torch.manual_seed(0)
+    config = transformers.ProphetNetConfig(
+        vocab_size=1000, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128, num_encoder_layers=2,
+        num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
+        max_position_embeddings=128, num_buckets=8, relative_max_distance=16,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=0)
+    model = transformers.ProphetNetForConditionalGeneration(config)
+    opt = _generate_equals_eager(model, batch=3, seq=13, left_pad=(1, 3), new_tokens=(6, 10))
+    records = [r for b in opt._transfuse_state.backends for r in b.records]
+    assert records and not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), \
+        transfuse.report(opt)
+    assert sum(r.cuda_graphs for r in records) >= len(records) // 2, transfuse.report(opt)

@@ -18,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import add_buffer, tensor_meta
+from transfuse.passes.graph import add_buffer, replace_by_buffer, tensor_meta
 
 
 def hoist_literal_tensors(gm: fx.GraphModule) -> int:
@@ -30,13 +30,7 @@ def hoist_literal_tensors(gm: fx.GraphModule) -> int:
         if (node.op != "call_function" or node.target is not torch.tensor or node.kwargs.get("requires_grad")
                 or node.all_input_nodes):
             continue
-        value = torch.tensor(*node.args, **node.kwargs)
-        with graph.inserting_before(node):
-            constant = graph.get_attr(add_buffer(gm, "_transfuse_literal_", value))
-        constant.meta = dict(node.meta)
-        constant.meta["example_value"] = value
-        node.replace_all_uses_with(constant)
-        graph.erase_node(node)
+        replace_by_buffer(gm, node, "_transfuse_literal_", torch.tensor(*node.args, **node.kwargs))
         hoisted += 1
     return hoisted
 

@@ -320,6 +320,18 @@ def add_buffer(gm: fx.GraphModule, prefix: str, tensor: torch.Tensor) -> str:
     return f"{prefix}{i}"
 
 
+def replace_by_buffer(gm: fx.GraphModule, node: fx.Node, prefix: str, tensor: torch.Tensor, recorded=None) -> None:
+    """Every use of `node` reads `tensor`, registered on gm as a buffer (add_buffer), instead; node
+    goes. `recorded`: the value the new node records (default the tensor itself)."""
+    graph = gm.graph
+    with graph.inserting_before(node):
+        constant = graph.get_attr(add_buffer(gm, prefix, tensor))
+    constant.meta = dict(node.meta)
+    constant.meta["example_value"] = tensor if recorded is None else recorded
+    node.replace_all_uses_with(constant)
+    graph.erase_node(node)
+
+
 def remove_dead_code(graph: fx.Graph) -> None:
     """Erase unused nodes whose operation we know to be pure. FX's own DCE would also drop an
     unused in-place call such as `x.masked_fill_(...)`, which is not ours to remove."""

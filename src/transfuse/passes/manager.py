@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from transfuse.passes.constants import hoist_index_lists, hoist_literal_tensors
+from transfuse.passes.host_tensors import move_host_tensors
 from transfuse.passes.graph import remove_dead_code
 
 
@@ -144,4 +145,5 @@ def run_passes(ctx: PassContext, disabled: frozenset[str] = frozenset()) -> None
         # literals become AOTAutograd's own constants; a buffer added here would stop its trace.)
         hoist_literal_tensors(ctx.gm)
         hoist_index_lists(ctx.gm)
+        move_host_tensors(ctx.gm)
     ctx.gm.recompile()
