@@ -118,8 +118,11 @@ def test_nanogpt_hand_written_attention():
 def test_retrace_every_step_hands_the_model_back_to_eager():
     """Hugging Face's own sliding-window static cache (one the user passes) keeps a Python int
     position counter that Dynamo specialises on, so every decode step is a new trace: past max_traces
-    the model runs as it was, still right, and the report names the guard."""
-    model = _build("mistral")
+    the model runs as it was, still right, and the report names the guard. One layer: the counter is
+    the cache's, not a layer's."""
+    config_cls, model_cls, config, _ = FAMILIES["mistral"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**dict(config, num_hidden_layers=1))).eval()
     ids = torch.randint(3, 97, (2, 9))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731

@@ -49,9 +49,10 @@ def test_static_cache_generate_matches_eager():
 def test_default_static_cache_is_reused_and_user_caches_are_left_alone():
     """With no cache named, generate() runs on a static cache (one shape per step: one CUDA graph),
     the same tensors from call to call while batch and length fit; a DynamicCache the user passes,
-    or static_cache=False, keeps Hugging Face's behaviour; restore() undoes it all."""
+    or static_cache=False, keeps Hugging Face's behaviour; restore() undoes it all. One layer: the
+    cache is created and reused whole (one per model, not per layer)."""
     torch.manual_seed(0)
-    model = _lm("llama").eval()
+    model = _lm("llama", layers=1).eval()
     ids = torch.randint(3, 97, (2, 5))
     with torch.no_grad():
         ref3 = model.generate(ids, max_new_tokens=3, do_sample=False)
@@ -100,9 +101,10 @@ def _eos_mid_generation(model, ids, mask) -> list[int]:
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_decode_loop_matches_hf_loop(family):
     """Greedy (with left padding, min_new_tokens, an EOS that stops rows at different steps, forced
-    BOS/EOS) and sampling (temperature, top-k, top-p, one seed): the tokens of Hugging Face's own loop."""
+    BOS/EOS) and sampling (temperature, top-k, top-p, one seed): the tokens of Hugging Face's own loop.
+    One layer: the loop's algorithm around the forward is under test."""
     torch.manual_seed(0)
-    model = _lm(family, initializer_range=0.5).eval()  # not one token repeated: rows finish apart
+    model = _lm(family, layers=1, initializer_range=0.5).eval()  # not one token repeated: rows finish apart
     ids = torch.randint(3, 97, (3, 6))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0

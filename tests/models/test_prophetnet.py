@@ -28,17 +28,19 @@ def test_prophetnet_generate_matches_eager():
         pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=0)
     torch.manual_seed(0)
     model = transformers.ProphetNetForConditionalGeneration(config).eval()
-    ids = torch.randint(3, 97, (2, 7))
+    ids = torch.randint(3, 97, (4, 7))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0  # padding in the encoder input
     greedy = dict(max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
     beam = dict(max_new_tokens=2, do_sample=False, num_beams=2)
+    # greedy on 4 rows, beam search on 2 rows x 2 beams: the decoder's frames see the same batch and
+    # run greedy's traces (with their layer guards) instead of tracing every layer frame again
     with torch.no_grad():
         ref_greedy = model.generate(ids, attention_mask=mask, **greedy)
-        ref_beam = model.generate(ids, attention_mask=mask, **beam)
+        ref_beam = model.generate(ids[:2], attention_mask=mask[:2], **beam)
         transfuse.optimize(model)
         out_greedy = model.generate(ids, attention_mask=mask, **greedy)
-        out_beam = model.generate(ids, attention_mask=mask, **beam)
+        out_beam = model.generate(ids[:2], attention_mask=mask[:2], **beam)
     assert torch.equal(out_greedy.sequences, ref_greedy.sequences)
     assert len(out_greedy.logits) == len(ref_greedy.logits) == 2
     for out, ref in zip(out_greedy.logits, ref_greedy.logits):
