@@ -23,6 +23,10 @@ An exception in transfuse's model is a FAIL; one that eager in the same dtype ra
         --only gpt2,llama --out /tmp/sweep
   GPU:
     PYTHONPATH=src python3 bench/family_sweep.py --device cuda --dtypes fp16,bf16,fp32 --out $OUT
+  Wider and longer (head dims x4, inputs past the 64-position tables, which grow to fit):
+    ... --scale 4 --seqs 100,300
+
+(The fwd13/fwd37 names follow --seqs.)
 
 Each (family, dtype) runs in a worker process (--jobs of them; 0 runs in this process), so that a
 hang or a crash costs one unit, not the sweep: a unit past --unit-timeout is killed and recorded as
@@ -49,7 +53,8 @@ from pathlib import Path
 VOCAB = 101
 PAD, BOS, EOS = 0, 1, 2
 IDS = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-SEQS = (13, 37)  # two shapes: the second is a new bucket / a second trace
+SEQS = (13, 37)  # two shapes: the second is a new bucket / a second trace (--seqs sets others)
+SCALE = 1  # --scale: widths (hidden, FFN, head dims) multiplied by it; head counts kept
 DECODER_SEQS = {13: 7, 37: 11}  # encoder-decoders: decoder length for each encoder length
 BATCH = 3
 NEW_TOKENS = 8
@@ -220,6 +225,26 @@ FAMILIES += [
 BY_NAME = {f[0]: f for f in FAMILIES}
 
 
+_WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "intermediate_size", "n_inner", "d_ff",
+           "encoder_ffn_dim", "decoder_ffn_dim", "head_dim", "d_kv", "rotary_dim", "embedding_size")
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_encoder_position_embeddings",
+              "max_decoder_position_embeddings")
+
+
+def geometry(config: dict) -> dict:
+    """A family's config at the sweep's geometry: widths times SCALE, and position tables that
+    hold the longest input of SEQS plus the generated tokens (in steps of 64)."""
+    longest = max(SEQS) + NEW_TOKENS + 8
+    extra = max(0, -(-(longest - 64) // 64) * 64)
+    out = dict(config)
+    for key, v in config.items():
+        if key in _WIDTHS and isinstance(v, int):
+            out[key] = v * SCALE
+        elif key in _POSITIONS and isinstance(v, int):
+            out[key] = v + extra
+    return out
+
+
 def base_name(name: str) -> str:
     return name.split(":")[0]
 
@@ -303,7 +328,7 @@ class Unit:
         import transformers
 
         name, kind, config_cls, model_cls, config, attn = self.spec
-        cfg = getattr(transformers, config_cls)(**config)
+        cfg = getattr(transformers, config_cls)(**geometry(config))
         if attn is not None:
             cfg._attn_implementation = attn
         torch.manual_seed(0)
@@ -335,7 +360,7 @@ class Unit:
         ids = ids.masked_fill(mask == 0, pad)
         kw = dict(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
         if self.kind == "s2s":
-            dec = torch.randint(3, VOCAB, (batch, DECODER_SEQS.get(seq, 7)), generator=g)
+            dec = torch.randint(3, VOCAB, (batch, DECODER_SEQS.get(seq, max(7, seq // 3))), generator=g)
             kw["decoder_input_ids"] = dec.to(self.device)
         return kw
 
@@ -416,7 +441,9 @@ class Unit:
             out = ours.generate(**kw, **gen)
         want = ref.sequences.cpu()
         got = out.cpu() if isinstance(out, torch.Tensor) else out.sequences.cpu()
-        prompt = 0 if self.kind == "s2s" else kw["input_ids"].shape[1]
+        # what precedes the generated tokens: the prompt, or an encoder-decoder's start token
+        # (scores[i] chose sequences[:, prompt + i])
+        prompt = 1 if self.kind == "s2s" else kw["input_ids"].shape[1]
         width = max(want.shape[1], got.shape[1])
         fill = gen["pad_token_id"]
         want = torch.nn.functional.pad(want, (0, width - want.shape[1]), value=fill)
@@ -544,14 +571,31 @@ def worker(args) -> None:
             rec = dict(family=family, dtype=dtype, check="unit", status="FAIL", device=args.device,
                        reason=f"sweep error: {_short(exc)}", traceback=traceback.format_exc())
             proto.write(PROTOCOL + json.dumps(rec, default=str) + "\n")
-        proto.write(PROTOCOL + json.dumps({"done": [family, dtype], "seconds": time.perf_counter() - t0}) + "\n")
+        done = {"done": [family, dtype], "seconds": time.perf_counter() - t0}
+        if args.device == "cuda" and not _cuda_usable():
+            done["broken"] = True  # a device-side assert poisons this process's CUDA context: start afresh
+        proto.write(PROTOCOL + json.dumps(done) + "\n")
+        if done.get("broken"):
+            return
+
+
+def _cuda_usable() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001 - any CUDA error here means the context is gone
+        return False
 
 
 class Worker:
     def __init__(self, index: int, args, log_dir: Path):
         self.index = index
         self.log = open(log_dir / f"worker{index}.log", "ab")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
+               "--seqs", args.seqs, "--scale", str(args.scale)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      start_new_session=True)
         self.buffer = b""
@@ -650,6 +694,13 @@ def run_parent(args, units, out_dir: Path, emit, started: float) -> list[tuple[s
                 elif "done" in msg:
                     status = unit_status([r for r in RESULTS if (r["family"], r["dtype"]) == tuple(msg["done"])])
                     log(f"done  {msg['done'][0]} {msg['done'][1]} in {msg['seconds']:.1f} s: {status}", started)
+                    if msg.get("broken"):  # its CUDA context is unusable: a fresh worker takes the next unit
+                        log(f"worker {w.index} retired: CUDA context broken", started)
+                        w.unit = None
+                        retire(w, kill=True)
+                        if pending and time.monotonic() - started < args.time_limit:
+                            spawn()
+                        break
                     feed(w)
                 else:
                     emit(msg)
@@ -771,10 +822,17 @@ def main(argv=None) -> int:
     p.add_argument("--heartbeat", type=float, default=60.0, help="seconds between 'still running' lines")
     p.add_argument("--precompile", action="store_true",
                    help="keep transfuse's parallel precompile of every bucket (off by default: TRANSFUSE_PRECOMPILE=0)")
+    p.add_argument("--seqs", default="13,37", help="the two input lengths of the forward and generate checks")
+    p.add_argument("--scale", type=int, default=1,
+                   help="widths (hidden, FFN, head dims) times this; position tables grow with --seqs")
     p.add_argument("--list", action="store_true", help="print the families and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    global SEQS, SCALE
+    SEQS, SCALE = tuple(int(v) for v in args.seqs.split(",")), args.scale
+    if len(SEQS) != 2:
+        raise SystemExit("family_sweep: --seqs takes two lengths, e.g. 13,37")
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
     if not args.precompile:

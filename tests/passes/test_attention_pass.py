@@ -145,3 +145,13 @@ def test_grouped_query_reads_kv_heads_without_repeating_them(sdpa):
     ref, out, rewrites, _ = eager_then_optimized(model, x, mask)
     assert rewrites.get("GroupedKV") == 1, rewrites
     assert rel_err(out, ref) < 1e-5
+
+
+def test_head_dim_above_the_kernels_is_left_to_pytorch():
+    """A head dim of 512 (past the 256 whose tiles fit an SM's shared memory; 1024 failed to launch
+    on an H200): attention stays PyTorch's, with the reason, and the output is eager's."""
+    model = HandWritten("sdpa_causal", heads=1, dim=512, seq=5).eval()
+    ref, out, rewrites, rejections = eager_then_optimized(model, torch.randn(1, 5, 512))
+    assert rewrites.get("TorchSDPA", 0) == 0
+    assert any("head dim 512" in r.reason for r in rejections)
+    assert rel_err(out, ref) < 1e-5

@@ -364,3 +364,49 @@ def test_data_dependent_size_runs_exact_and_is_reported():
             assert rel_err(model(x, lengths), model.forward.__wrapped__(x, lengths)) < 1e-5
     assert "data-dependent size" in transfuse.report(model)
     assert all(not r.plan.paddable for r in _runners(model) if isinstance(r, PaddedRunner))
+
+
+class _ShiftedPositions(torch.nn.Module):
+    """Learned positions looked up at arange(seq) + 2 (OPT's and BART's offset) in a 20-row table."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(20, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device) + 2
+        return self.proj(x + self.table(positions))
+
+
+def test_a_position_table_bounds_the_buckets():
+    """Positions counted along the sequence and looked up in a table: padded positions must stay in
+    the table (on a GPU, one past its end is a device-side assert), so the buckets stop at its last
+    row: seq 17 pads to 18 (20 rows, offset 2), not to 32."""
+    model = _ShiftedPositions().eval()
+    transfuse.optimize(model)
+    for batch, seq in [(2, 13), (3, 17), (2, 18)]:
+        x = torch.randn(batch, seq, 8)
+        with torch.no_grad():
+            assert rel_err(model(x), model.forward.__wrapped__(x)) < 1e-5
+    (runner,) = _runners(model)
+    assert _buckets(runner, "x") == {(2, 16), (4, 18), (2, 18)}
+
+
+def test_gpt2_positions_bound_the_buckets():
+    """GPT-2 counts its positions with an arange (no guard ties the length to its 24-row table):
+    seq 17 pads to 24, the table's length, and gives eager's outputs."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=24, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    transfuse.optimize(model)
+    for batch, seq in [(2, 9), (3, 17)]:
+        ids = torch.randint(3, 97, (batch, seq))
+        with torch.no_grad():
+            out = model(input_ids=ids).last_hidden_state
+            ref = model.forward.__wrapped__(input_ids=ids).last_hidden_state
+        assert rel_err(out, ref) < 1e-5
+    (runner,) = _runners(model)
+    assert _buckets(runner, "input_ids") == {(2, 16), (4, 24)}

@@ -69,6 +69,9 @@ SUMMARY_FLAG_DENSE_ROW = 1
 SUMMARY_FLAG_DENSE_ROW_CAUSAL = 2
 
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The largest head dim: a program holds q, k and v tiles of the padded head dim in shared memory,
+# and at 512 and above they no longer fit an SM (an H200 needed 397 KB at 1024).
+MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -621,6 +624,8 @@ def attention_fwd(
         raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"attention supports head dims 1 to {MAX_HEAD_DIM}, got {head_dim}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"attention supports {_DTYPES} with one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask_summary is not None and mask is None:

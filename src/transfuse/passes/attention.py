@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from transfuse.kernels.attention import MAX_HEAD_DIM
 from transfuse.ops.attention import mask_summary_for
 from transfuse.passes import causal_mask
 
@@ -325,6 +326,8 @@ def _check_operands(spec: dict) -> None:
     # and none may add a guard (same_size), or Dynamo would recompile for the sizes it excluded.
     if not isinstance(q.shape[-1], int):
         raise Reject("the head dimension is dynamic")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise Reject(f"head dim {q.shape[-1]} is above the kernels' {MAX_HEAD_DIM}")
     if not (same_size(q.shape[-1], k_shape[-1]) and same_size(v.shape[-1], q.shape[-1])):
         raise Reject(f"head dims differ (q {q.shape[-1]}, k {k_shape[-1]}, v {v.shape[-1]})")
     if not _runtime_checked_equal(k_shape[-2], v.shape[-2]):

@@ -123,7 +123,7 @@ def plan_padding(gm: fx.GraphModule) -> PaddingPlan | None:
 
     plan = PaddingPlan(
         names=names,
-        upper={s: _upper_bound(shape_env, s) for s in symbols},
+        upper={s: _capped(_upper_bound(shape_env, s), analysis.caps.get(s)) for s in symbols},
         sym_args=sym_args,
         tensor_dims=tensor_dims,
         output_dims=output_dims,
@@ -181,6 +181,10 @@ def _lower_bound(shape_env, symbol) -> int:
     return int(bound.lower)
 
 
+def _capped(upper: int | None, cap: int | None) -> int | None:
+    return cap if upper is None else upper if cap is None else min(upper, cap)
+
+
 def _upper_bound(shape_env, symbol) -> int | None:
     """The largest value Dynamo's guards allow (e.g. the position table's length)."""
     bound = shape_env.var_to_range.get(symbol)
@@ -211,6 +215,11 @@ class _Analysis:
         # Values that count along a padded dimension (a cumsum over it): in padded positions they
         # keep counting past anything the real input reaches, so they must never index a table.
         self.counts: dict = {}
+        # Positions along a padded dimension (an arange over it, shifted by `offset`, None when
+        # some other arithmetic made them): node -> (offset, symbols). Padding makes them run up to
+        # the bucket size, so a table they look up bounds the bucket (caps: symbol -> largest size).
+        self.positions: dict = {}
+        self.caps: dict = {}
         self.attention_keys: list = []  # (attention node, symbol of its key axis)
 
     # ---- helpers
@@ -259,6 +268,8 @@ class _Analysis:
         counted = set().union(*(self.counts.get(a, set()) for a in tensor_args))
         if counted and (name in _POINTWISE or name in _LAYOUT):
             self.counts[node] = counted
+        if name in _POINTWISE or name in _LAYOUT:
+            self._follow_positions(node, name, tensor_args)
         if name in _POINTWISE:
             self.refuse(self.value_syms(node), node, "uses a padded size as a value")
             if node.args and node.args[0] in self.identity and (
@@ -284,14 +295,17 @@ class _Analysis:
         if name == "getitem":
             self._getitem(node)
         elif name in ("embedding",):
-            self.refuse(self.dim_syms(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"), 0), node, "looks up a padded table")
+            table = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            self.refuse(self.dim_syms(table, 0), node, "looks up a padded table")
             self.refuse(self.counts.get(node.args[0], set()), node, "looks up positions counted along it")
+            self._bound_by_table(node, node.args[0], _dims(value(table))[:1])
         elif name == "transfuse.embedding_layer_norm":  # lookups as above, then a norm over the hidden dim
             indices, tables = node.args[0], node.args[1]
             for table in tables:
                 self.refuse(self.dim_syms(table, 0), node, "looks up a padded table")
-            for idx in indices:
+            for idx, table in zip(indices, tables):
                 self.refuse(self.counts.get(idx, set()), node, "looks up positions counted along it")
+                self._bound_by_table(node, idx, _dims(value(table))[:1])
             self.refuse(self.dim_syms(node, -1), node, "normalises over a padded dimension")
         elif name == "gather":
             self._gather(node)
@@ -352,8 +366,48 @@ class _Analysis:
         args = [a for a in node.args]
         if len(args) == 1 or (len(args) >= 2 and args[0] == 0 and (len(args) < 3 or args[2] == 1)):
             self.identity.add(node)
+            self.positions[node] = (0, frozenset(self.value_syms_of(args[-1] if len(args) < 3 else args[1])))
             return
         self.refuse(set().union(*(self.value_syms_of(a) for a in args[:1])), node, "starts at a padded size")
+        if len(args) >= 2:
+            start = args[0] if isinstance(args[0], int) and (len(args) < 3 or args[2] == 1) else None
+            self.positions[node] = (start, frozenset(self.value_syms_of(args[1])))
+
+    _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach", "type_as"}
+
+    def _follow_positions(self, node: fx.Node, name: str, tensor_args: list) -> None:
+        """Positions stay positions through views and casts, and shift by a constant added."""
+        found = [self.positions[a] for a in tensor_args if a in self.positions]
+        if not found:
+            return
+        syms = frozenset().union(*(f[1] for f in found))
+        first = self.positions.get(node.args[0]) if node.args else None
+        offset = None
+        if first is not None and len(found) == 1:
+            if name in _LAYOUT or name in self._SAME_VALUES:
+                offset = first[0]
+            elif name in ("add", "iadd", "add_", "sub", "isub", "sub_") and len(node.args) > 1 \
+                    and isinstance(node.args[1], int) and not isinstance(node.args[1], bool) and first[0] is not None:
+                offset = first[0] + (node.args[1] if name.startswith(("add", "iadd")) else -node.args[1])
+        elif first is None and len(found) == 1 and name in ("add", "iadd", "add_") and len(node.args) > 1 \
+                and node.args[1] in self.positions and isinstance(node.args[0], int) and found[0][0] is not None:
+            offset = found[0][0] + node.args[0]
+        self.positions[node] = (offset, syms)
+
+    def _bound_by_table(self, node: fx.Node, index: Any, rows: list) -> None:
+        """A table of `rows` rows looked up at positions along a padded dimension: padded positions
+        must stay inside it, so that dimension's buckets stop at rows - offset."""
+        if index not in self.positions or not rows:
+            return
+        offset, syms = self.positions[index]
+        n = rows[0]
+        if isinstance(n, torch.SymInt) or offset is None:
+            # A padded table is padded with the positions (equal sizes are padded alike). Positions
+            # through other arithmetic are left as before: T5's relative buckets clamp them into
+            # the table, which this analysis cannot see.
+            return
+        for sym in syms:
+            self.caps[sym] = min(self.caps.get(sym, n - offset), n - offset)
 
     def value_syms_of(self, a: Any) -> set:
         v = value(a) if isinstance(a, fx.Node) else a
@@ -386,6 +440,7 @@ class _Analysis:
                     identity = False
             elif isinstance(it, fx.Node) and isinstance(value(it), torch.Tensor):
                 self.refuse(self.counts.get(it, set()), node, "indexes with positions counted along it")
+                self._bound_by_table(node, it, dims[d:d + 1])
                 if syms and it not in self.identity:
                     self.refuse(syms, node, "indexes a padded dimension with computed positions")
                 identity = False
@@ -399,6 +454,11 @@ class _Analysis:
             d += 1
         if identity:
             self.identity.add(node)
+        # The elements picked are some of src's: what bounds src's values bounds theirs.
+        if src in self.counts:
+            self.counts[node] = self.counts[src]
+        if src in self.positions:
+            self.positions[node] = self.positions[src]
 
     def _gather(self, node: fx.Node) -> None:
         src = node.args[0]
@@ -408,6 +468,8 @@ class _Analysis:
         if syms and index not in self.identity:
             self.refuse(syms, node, "gathers along a padded dimension")
         self.refuse(self.counts.get(index, set()), node, "gathers positions counted along it")
+        if isinstance(dim, int):
+            self._bound_by_table(node, index, _dims(value(src))[dim:][:1])
 
     def _reduce(self, node: fx.Node) -> None:
         name = _name(node)
