@@ -410,3 +410,25 @@ def test_gpt2_positions_bound_the_buckets():
         assert rel_err(out, ref) < 1e-5
     (runner,) = _runners(model)
     assert _buckets(runner, "input_ids") == {(2, 16), (4, 24)}
+
+
+def test_bert_position_buffers_bound_the_buckets():
+    """BERT slices its position and token-type buffers (40 entries here) to the input's length;
+    padded past 40 the slices stop growing and the token types no longer expand to the input
+    (it raised). Seq 33 pads to 40, not 64, and gives eager's outputs."""
+    import transformers
+
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                                  max_position_embeddings=40, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    transfuse.optimize(model)
+    for batch, seq in [(2, 9), (3, 33)]:
+        inputs = _random_inputs(97, batch, seq, random.Random(seq))
+        with torch.no_grad():
+            out = model(**inputs).last_hidden_state
+            ref = model.forward.__wrapped__(**inputs).last_hidden_state
+        keep = inputs["attention_mask"].bool()
+        assert rel_err(out[keep], ref[keep]) < 1e-5
+    (runner,) = _runners(model)
+    assert _buckets(runner, "input_ids") == {(2, 16), (4, 40)}

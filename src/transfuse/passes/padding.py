@@ -409,6 +409,23 @@ class _Analysis:
         for sym in syms:
             self.caps[sym] = min(self.caps.get(sym, n - offset), n - offset)
 
+    def _bound_by_slice(self, node: fx.Node, stop: Any, rows: int) -> None:
+        """`table[:s + c]` of a fixed-size dimension (BERT's position and token-type buffers sliced
+        to the input's length): past rows - c the slice would stop growing with s, so s's buckets
+        stop there."""
+        if not isinstance(stop, torch.SymInt):
+            return
+        expr = stop.node.expr
+        syms = set(expr.free_symbols) & self.symbols
+        if not syms:
+            return
+        const, rest = expr.as_coeff_Add()
+        if rest.is_Symbol and rest in self.symbols and const.is_Integer:
+            cap = rows - int(const)
+            self.caps[rest] = min(self.caps.get(rest, cap), cap)
+        else:
+            self.refuse(syms, node, f"slices a fixed-size dimension up to {expr}")
+
     def value_syms_of(self, a: Any) -> set:
         v = value(a) if isinstance(a, fx.Node) else a
         return set(v.node.expr.free_symbols) & self.symbols if isinstance(v, (torch.SymInt, torch.SymFloat)) else set()
@@ -438,6 +455,8 @@ class _Analysis:
                     self.refuse(syms, node, "slices a padded dimension away from its start")
                 if not (start_ok and step_ok and it.stop is None):
                     identity = False
+                if not syms and d < len(dims) and isinstance(dims[d], int) and it.stop is not None:
+                    self._bound_by_slice(node, value(it.stop) if isinstance(it.stop, fx.Node) else it.stop, dims[d])
             elif isinstance(it, fx.Node) and isinstance(value(it), torch.Tensor):
                 self.refuse(self.counts.get(it, set()), node, "indexes with positions counted along it")
                 self._bound_by_table(node, it, dims[d:d + 1])
