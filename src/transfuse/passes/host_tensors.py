@@ -40,11 +40,9 @@ def _on_host(node) -> bool:
 
 def _is_copy(node: fx.Node) -> bool:
     """`x.to(...)` / `x.cuda()` of a host tensor whose result is on another device."""
-    if node.op == "call_method" and method_name(node) in ("to", "cuda"):
-        pass
-    elif node.op == "call_function" and node.target in (torch.Tensor.to, torch.Tensor.cuda):
-        pass
-    else:
+    moves = ((node.op == "call_method" and method_name(node) in ("to", "cuda"))
+             or (node.op == "call_function" and node.target in (torch.Tensor.to, torch.Tensor.cuda)))
+    if not moves:
         return False
     out = tensor_meta(node)
     return bool(node.args) and _on_host(node.args[0]) and out is not None and out.device.type != "cpu"

@@ -44,6 +44,7 @@ _LAYOUT = {
     "flatten", "unflatten", "t", "size", "dim", "stride", "numel", "movedim", "swapaxes", "view_as",
     "reshape_as", "sym_size",
 }
+_SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach", "type_as"}  # element-wise, values kept
 _CREATE = {"ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "ones_like", "zeros_like", "empty_like"}
 _FILL = {"full", "new_full", "full_like", "tensor", "scalar_tensor"}  # these also take a value
 _REDUCE = {
@@ -273,7 +274,7 @@ class _Analysis:
         if name in _POINTWISE:
             self.refuse(self.value_syms(node), node, "uses a padded size as a value")
             if node.args and node.args[0] in self.identity and (
-                name in ("to", "long", "int", "contiguous", "clone", "detach", "type_as")
+                name in _SAME_VALUES
                 or (name in ("add", "sub", "iadd", "add_", "sub_") and len(node.args) > 1 and node.args[1] == 0)
             ):
                 self.identity.add(node)  # positions stay positions (HF adds a kv offset of 0)
@@ -366,14 +367,12 @@ class _Analysis:
         args = [a for a in node.args]
         if len(args) == 1 or (len(args) >= 2 and args[0] == 0 and (len(args) < 3 or args[2] == 1)):
             self.identity.add(node)
-            self.positions[node] = (0, frozenset(self.value_syms_of(args[-1] if len(args) < 3 else args[1])))
+            self.positions[node] = (0, frozenset(self.value_syms_of(args[1] if len(args) > 1 else args[0])))
             return
         self.refuse(set().union(*(self.value_syms_of(a) for a in args[:1])), node, "starts at a padded size")
         if len(args) >= 2:
             start = args[0] if isinstance(args[0], int) and (len(args) < 3 or args[2] == 1) else None
             self.positions[node] = (start, frozenset(self.value_syms_of(args[1])))
-
-    _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach", "type_as"}
 
     def _follow_positions(self, node: fx.Node, name: str, tensor_args: list) -> None:
         """Positions stay positions through views and casts, and shift by a constant added."""
@@ -384,7 +383,7 @@ class _Analysis:
         first = self.positions.get(node.args[0]) if node.args else None
         offset = None
         if first is not None and len(found) == 1:
-            if name in _LAYOUT or name in self._SAME_VALUES:
+            if name in _LAYOUT or name in _SAME_VALUES:
                 offset = first[0]
             elif name in ("add", "iadd", "add_", "sub", "isub", "sub_") and len(node.args) > 1 \
                     and isinstance(node.args[1], int) and not isinstance(node.args[1], bool) and first[0] is not None:
