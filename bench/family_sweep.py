@@ -16,6 +16,10 @@ transfuse.optimize(); then these checks, one JSON line each in OUT/sweep.jsonl:
   params        the model's state_dict after every call equals the one saved before optimize()
   report        transfuse.report(model) returns a string
 
+--extra adds checks (names in EXTRA_CHECKS; "all" for every one): beam search, sampling from a seed,
+a 40-token greedy generate, hidden states, attention probabilities, batch 1 without a mask, and
+inputs_embeds in place of input_ids.
+
 An exception in transfuse's model is a FAIL; one that eager in the same dtype raises too is a SKIP.
 
   CPU (Triton's interpreter, tiny shapes, a few families at a time):
@@ -64,6 +68,17 @@ ATOL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 1e-3}
 TIE_FACTOR = 4.0
 TIE_FLOOR = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 2e-2}
 DTYPES = ("fp32", "fp16", "bf16")
+LONG_TOKENS = 40  # --extra long: greedy generation past the first cache buckets
+EXTRA = ()  # --extra: checks beyond the default ones (see EXTRA_CHECKS)
+EXTRA_CHECKS = {
+    "beam": "generate(num_beams=3, num_return_sequences=3) at batch 2: each row's best beam equal to eager's",
+    "sample": "generate(do_sample=True, top_k=20) from one seed at batch 2: tokens equal to eager's from that seed",
+    "long": f"greedy generate of {LONG_TOKENS} new tokens at batch 2",
+    "hidden": "forward with output_hidden_states=True: every hidden state, not only the logits",
+    "attn": "forward with output_attentions=True: logits and the attention probabilities",
+    "nomask": "forward at batch 1 without an attention mask",
+    "embeds": "forward from inputs_embeds instead of input_ids",
+}
 PROTOCOL = "@@SWEEP "
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +249,7 @@ _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", 
 def geometry(config: dict) -> dict:
     """A family's config at the sweep's geometry: widths times SCALE, and position tables that
     hold the longest input of SEQS plus the generated tokens (in steps of 64)."""
-    longest = max(SEQS) + NEW_TOKENS + 8
+    longest = max(max(SEQS) + NEW_TOKENS, SEQS[0] + (LONG_TOKENS if "long" in EXTRA else 0)) + 8
     extra = max(0, -(-(longest - 64) // 64) * 64)
     out = dict(config)
     for key, v in config.items():
@@ -371,44 +386,91 @@ class Unit:
         except Exception as exc:  # noqa: BLE001 - any eager failure makes the check a SKIP
             raise EagerFailed(_short(exc)) from exc
 
-    def forward(self, ref, eager, ours, seq: int):
+    def _compared(self, out, variant: str | None, mask) -> list[tuple[str, object]]:
+        """The tensors a forward check compares, each cut to its positions that are not padding:
+        the logits, and the hidden states or attention probabilities the variant asks for."""
         import torch
 
-        kw = self.inputs(seq)
-        with torch.no_grad():
-            want = self.run_eager(lambda: _logits(ref(**kw)).float())
-            base = self.run_eager(lambda: _logits(eager(**kw)).float())
-            got = _logits(ours(**kw)).float()
-        if self.kind == "s2s":
-            keep = torch.ones(got.shape[:2], dtype=torch.bool, device=got.device)
+        items = [("logits", _logits(out))]
+        if variant == "hidden":
+            keys = ("hidden_states", "encoder_hidden_states", "decoder_hidden_states")
+        elif variant == "attn":
+            keys = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
         else:
-            keep = kw["attention_mask"].bool()
-        if got.shape != want.shape:
-            return dict(status="FAIL", reason=f"logits shape {tuple(got.shape)} != eager {tuple(want.shape)}")
-        want, base, got = want[keep], base[keep], got[keep]
-        if not torch.isfinite(base).all():
-            return dict(status="SKIP", reason="eager's logits in this dtype are not finite")
-        err_ours, err_eager = _rel(got, want), _rel(base, want)
-        tol = 2 * err_eager + ATOL[self.dtype]
-        self.logit_diff = max(self.logit_diff, _maxabs(got, base))
-        self.eager_error = max(self.eager_error, _maxabs(base, want))
-        fields = dict(err_ours=err_ours, err_eager=err_eager, tol=tol, maxabs_ours=_maxabs(got, want),
-                      maxabs_eager=_maxabs(base, want), logit_scale=float(want.abs().max()))
-        ok = math.isfinite(err_ours) and err_ours <= tol
-        if ok:
+            keys = ()
+        for key in keys:
+            value = getattr(out, key, None)
+            if isinstance(value, torch.Tensor):  # an encoder's last hidden state, not a tuple
+                continue
+            items += [(f"{key}[{i}]", t) for i, t in enumerate(value or ()) if t is not None]
+        cut = []
+        for name, t in items:
+            t = t.float()
+            on_encoder = self.kind != "s2s" or name.startswith("encoder")
+            if mask is not None and on_encoder:
+                keep = mask.bool()
+                t = t.transpose(1, 2)[keep] if "attentions" in name else t[keep]  # (B, H, Sq, Sk): by query
+            cut.append((name, t))
+        return cut
+
+    def forward(self, ref, eager, ours, seq: int, variant: str | None = None):
+        import torch
+
+        kw = self.inputs(seq, batch=1 if variant == "nomask" else BATCH)
+        if variant == "nomask":
+            kw.pop("attention_mask")
+        if variant in ("hidden", "attn"):
+            kw[f"output_{'hidden_states' if variant == 'hidden' else 'attentions'}"] = True
+
+        def call(model):
+            args = dict(kw)
+            if variant == "embeds":  # each model embeds with its own (equal) table, in its own dtype
+                args["inputs_embeds"] = model.get_input_embeddings()(args.pop("input_ids"))
+            return self._compared(model(**args), variant, kw.get("attention_mask"))
+
+        with torch.no_grad():
+            want = self.run_eager(lambda: call(ref))
+            base = self.run_eager(lambda: call(eager))
+            got = call(ours)
+        if [n for n, _ in got] != [n for n, _ in want]:
+            return dict(status="FAIL", reason=f"outputs {[n for n, _ in got][:6]} != eager's {[n for n, _ in want][:6]}")
+        bad = [n for (n, g), (_, w) in zip(got, want) if g.shape != w.shape]
+        if bad:
+            return dict(status="FAIL", reason=f"{bad[0]} shape differs from eager's")
+        worst = None
+        for (name, g), (_, w), (_, b) in zip(got, want, base):
+            if not torch.isfinite(b).all():
+                if name == "logits":
+                    return dict(status="SKIP", reason="eager's logits in this dtype are not finite")
+                continue
+            err_ours, err_eager = _rel(g, w), _rel(b, w)
+            tol = 2 * err_eager + ATOL[self.dtype]
+            if name == "logits" and variant is None:
+                self.logit_diff = max(self.logit_diff, _maxabs(g, b))
+                self.eager_error = max(self.eager_error, _maxabs(b, w))
+            ratio = err_ours / tol if math.isfinite(err_ours) else math.inf
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, name, dict(err_ours=err_ours, err_eager=err_eager, tol=tol, maxabs_ours=_maxabs(g, w),
+                                           maxabs_eager=_maxabs(b, w), logit_scale=float(w.abs().max())))
+        ratio, name, fields = worst
+        fields.update(compared=len(got), worst=name)
+        if ratio <= 1:
             return dict(status="PASS", reason="", **fields)
-        reason = f"fwd{seq} rel err {err_ours:.2e} > {tol:.2e} (eager {err_eager:.2e})"
+        label = f"fwd{seq}" + (f" {variant}" if variant else "") + (f" {name}" if name != "logits" else "")
+        reason = f"{label} rel err {fields['err_ours']:.2e} > {fields['tol']:.2e} (eager {fields['err_eager']:.2e})"
         # Does Dynamo alone (no transfuse: its "eager" backend, dynamic shapes) give the same error?
         # Then the failure is inherited from the trace of the model, not made by transfuse.
         try:
             traced = torch.compile(copy.deepcopy(eager), backend="eager", dynamic=True)
             with torch.no_grad():
-                err_dynamo = _rel(_logits(traced(**kw)).float()[keep], want)
+                mine = dict(call(traced))[name]
+            err_dynamo = _rel(mine, dict(want)[name])
             fields["err_dynamo"] = err_dynamo
         except Exception as exc:  # noqa: BLE001
             fields["err_dynamo"] = f"raises {_short(exc)}"
             return dict(status="FAIL", reason=reason, **fields)
-        if err_dynamo > tol and abs(err_dynamo - err_ours) <= 0.05 * err_dynamo + ATOL[self.dtype]:
+        tol = fields["tol"]
+        if err_dynamo > tol and abs(err_dynamo - fields["err_ours"]) <= 0.05 * err_dynamo + ATOL[self.dtype]:
             return dict(status="SKIP", reason=f"inherited: {reason}; torch.compile(backend='eager', dynamic=True) "
                                               f"without transfuse gives {err_dynamo:.2e}", **fields)
         return dict(status="FAIL", reason=f"{reason}; Dynamo alone {err_dynamo:.2e}", **fields)
@@ -430,12 +492,12 @@ class Unit:
         logits = _logits(out)[0, -1].float()
         return float(logits[a] - logits[b])
 
-    def generate(self, eager, ours, seq: int, batch: int, fp32_model=None):
+    def generate(self, eager, ours, seq: int, batch: int, fp32_model=None, new_tokens: int = NEW_TOKENS):
         import torch
 
         kw = self.inputs(seq, batch=batch, seed=1)
         kw.pop("decoder_input_ids", None)
-        gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=self.spec[4].get("pad_token_id", PAD))
+        gen = dict(max_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=self.spec[4].get("pad_token_id", PAD))
         with torch.no_grad():
             ref = self.run_eager(lambda: eager.generate(**kw, **gen, output_scores=True, return_dict_in_generate=True))
             out = ours.generate(**kw, **gen)
@@ -486,6 +548,69 @@ class Unit:
                                      f"fp32 prefers eager's token by {gaps})")
         return dict(status="FAIL" if bad else "PASS", reason=reason, **fields)
 
+    def _pad_to(self, a, b, fill):
+        import torch.nn.functional as F
+
+        width = max(a.shape[-1], b.shape[-1])
+        return F.pad(a, (0, width - a.shape[-1]), value=fill), F.pad(b, (0, width - b.shape[-1]), value=fill)
+
+    def beam(self, eager, ours, seq: int):
+        """Beam search at batch 2, 3 beams, all returned. A row passes when its best beam is eager's;
+        a different best beam is a near-tie when eager too found it, or scored it, within the tie
+        tolerance of its own best (sequence scores are mean log-probabilities per token)."""
+        import torch
+
+        kw = self.inputs(seq, batch=2, seed=2)
+        kw.pop("decoder_input_ids", None)
+        fill = self.spec[4].get("pad_token_id", PAD)
+        gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=3, num_return_sequences=3, pad_token_id=fill,
+                   output_scores=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            ref = self.run_eager(lambda: eager.generate(**kw, **gen))
+            out = ours.generate(**kw, **gen)
+        want, got = self._pad_to(ref.sequences.cpu(), out.sequences.cpu(), fill)
+        want, got = want.view(2, 3, -1), got.view(2, 3, -1)
+        ws, gs = ref.sequences_scores.float().cpu().view(2, 3), out.sequences_scores.float().cpu().view(2, 3)
+        tie_tol = max(TIE_FACTOR * self.logit_diff, TIE_FLOOR[self.dtype])
+        equal = ties = bad = 0
+        gaps = []
+        for row in range(2):
+            if torch.equal(want[row, 0], got[row, 0]):
+                equal += 1
+                gaps.append(float((gs[row, 0] - ws[row, 0]).abs()))
+                continue
+            same = [j for j in range(3) if torch.equal(want[row, j], got[row, 0])]
+            gap = float(ws[row, 0] - ws[row, same[0]]) if same else float((ws[row, 0] - gs[row, 0]).abs())
+            gaps.append(gap)
+            if gap < tie_tol:
+                ties += 1
+            else:
+                bad += 1
+        fields = dict(rows=2, equal=equal, near_ties=ties, mismatched=bad, tie_tol=tie_tol, score_gaps=gaps)
+        reason = "" if not bad else f"beam search: {bad}/2 rows' best beams differ (score gaps {gaps}, tie {tie_tol:.1e})"
+        return dict(status="FAIL" if bad else "PASS", reason=reason, **fields)
+
+    def sample(self, eager, ours, seq: int):
+        """Sampling from one seed at batch 2: both runs draw the same random numbers, so tokens
+        differ only where a draw lands between the two runs' probabilities; a row may, both may not."""
+        import torch
+
+        kw = self.inputs(seq, batch=2, seed=3)
+        kw.pop("decoder_input_ids", None)
+        fill = self.spec[4].get("pad_token_id", PAD)
+        gen = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=20, num_beams=1, pad_token_id=fill)
+        with torch.no_grad():
+            torch.manual_seed(7)
+            want = self.run_eager(lambda: eager.generate(**kw, **gen)).cpu()
+            torch.manual_seed(7)
+            got = ours.generate(**kw, **gen).cpu()
+        want, got = self._pad_to(want, got, fill)
+        equal = sum(bool(torch.equal(want[r], got[r])) for r in range(2))
+        fields = dict(rows=2, equal=equal, near_ties=0, mismatched=2 - equal,
+                      tokens_match=float((want == got).float().mean()))
+        reason = "" if equal else "sampling from one seed: no row equals eager's (random numbers drawn differently?)"
+        return dict(status="FAIL" if not equal else "PASS", reason=reason, **fields)
+
     def run(self):
         import torch
 
@@ -508,6 +633,15 @@ class Unit:
         if self.kind in ("dec", "s2s"):
             checks += [("gen_b3", lambda: self.generate(eager, ours, SEQS[0], BATCH, ref)),
                        ("gen_b2", lambda: self.generate(eager, ours, SEQS[1], 2, ref))]
+        for extra in EXTRA:
+            if extra in ("hidden", "attn", "nomask", "embeds"):
+                checks.append((f"fwd_{extra}", lambda v=extra: self.forward(ref, eager, ours, SEQS[0], v)))
+            elif self.kind in ("dec", "s2s"):
+                checks.append({
+                    "beam": ("beam", lambda: self.beam(eager, ours, SEQS[0])),
+                    "sample": ("sample", lambda: self.sample(eager, ours, SEQS[0])),
+                    "long": ("gen_long", lambda: self.generate(eager, ours, SEQS[0], 2, ref, LONG_TOKENS)),
+                }[extra])
         for check, fn in checks:
             t = time.perf_counter()
             try:
@@ -595,7 +729,7 @@ class Worker:
         self.index = index
         self.log = open(log_dir / f"worker{index}.log", "ab")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
-               "--seqs", args.seqs, "--scale", str(args.scale)]
+               "--seqs", args.seqs, "--scale", str(args.scale), "--extra", ",".join(EXTRA)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      start_new_session=True)
         self.buffer = b""
@@ -825,12 +959,18 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="13,37", help="the two input lengths of the forward and generate checks")
     p.add_argument("--scale", type=int, default=1,
                    help="widths (hidden, FFN, head dims) times this; position tables grow with --seqs")
+    p.add_argument("--extra", default="",
+                   help="comma-separated checks beyond the default ones: " + ", ".join(EXTRA_CHECKS) + " (or all)")
     p.add_argument("--list", action="store_true", help="print the families and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    global SEQS, SCALE
+    global SEQS, SCALE, EXTRA
     SEQS, SCALE = tuple(int(v) for v in args.seqs.split(",")), args.scale
+    EXTRA = tuple(EXTRA_CHECKS) if args.extra == "all" else tuple(e.strip() for e in args.extra.split(",") if e.strip())
+    unknown = [e for e in EXTRA if e not in EXTRA_CHECKS]
+    if unknown:
+        raise SystemExit(f"family_sweep: unknown --extra checks {unknown}; known: {', '.join(EXTRA_CHECKS)}")
     if len(SEQS) != 2:
         raise SystemExit("family_sweep: --seqs takes two lengths, e.g. 13,37")
     if args.device == "cpu":
