@@ -150,7 +150,8 @@ def format_report(records: list[GraphRecord], pool=None, graph_breaks: int | Non
             lines.append(f"  buckets ({len(runner.stats)} used{kept}, {runner.evicted} evicted):")
             lines.extend(f"    {line}" for line in runner.bucket_report())
             if runner.uncaptured_calls:
-                lines.append(f"    {runner.uncaptured_calls} call(s) with exact (unpadded) sizes ran without a graph "
+                which = "" if getattr(runner, "capture_failed", None) else " with exact (unpadded) sizes"
+                lines.append(f"    {runner.uncaptured_calls} call(s){which} ran without a graph "
                              f"({_uncaptured_why(runner)})")
             if runner.exact_calls:
                 lines.append(f"    {runner.exact_calls} call(s) beyond the largest bucket ran at their exact size without a graph")
@@ -174,6 +175,8 @@ def _precompile_line(done: dict) -> str:
 
 
 def _uncaptured_why(runner) -> str:
+    if getattr(runner, "capture_failed", None):
+        return f"CUDA graph capture was refused, so this graph runs without one: {runner.capture_failed}"
     if runner.too_many:
         return (f"{runner.wasted} graphs were evicted before a replay: more distinct exact shapes come round than "
                 f"max_graphs={runner.max_graphs} holds, e.g. a dynamic KV cache that grows every token; no more captures")

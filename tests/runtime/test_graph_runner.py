@@ -140,3 +140,49 @@ def test_part_of_callers_graph_runs_the_kernels_directly(monkeypatch):
     assert _FakeCaptured.made == [] and not runner.graphs
     runner(a), runner(a)
     assert _FakeCaptured.made == [(2, 3)]
+
+
+class _RefusedCapture:
+    tries = 0
+
+    def __init__(self, fn, args, static_indices, pool, written=()):
+        _RefusedCapture.tries += 1
+        raise cuda_graphs.CaptureFailed("RuntimeError: Cannot copy between CPU and CUDA tensors during capture")
+
+
+def test_a_refused_capture_runs_the_graph_eagerly_from_then_on(monkeypatch):
+    """A graph whose capture CUDA refuses (an op inside syncs with the host: Mixtral's grouped-GEMM
+    fallback calls .tolist()) gives the eager result on that call and every later one, is not
+    captured again, and the report says why."""
+    from transfuse.report import _uncaptured_why
+
+    monkeypatch.setattr(cuda_graphs, "_Captured", _RefusedCapture)
+    _RefusedCapture.tries = 0
+    runner = CudaGraphRunner(lambda x: (x * 2,), [], GraphPool(), max_graphs=4)
+    x = torch.arange(6.0).view(2, 3)
+    results = [runner(x)[0] for _ in range(4)] + [runner(torch.ones(5, 3))[0] for _ in range(2)]
+    assert all(torch.equal(r, x * 2) for r in results[:4]) and torch.equal(results[-1], torch.full((5, 3), 2.0))
+    assert _RefusedCapture.tries == 1 and not runner.graphs
+    assert runner.uncaptured_calls == 6
+    assert "capture was refused" in _uncaptured_why(runner) and "Cannot copy" in _uncaptured_why(runner)
+
+
+def test_static_buffers_keep_an_expanded_inputs_strides():
+    """A graph input broadcast with expand (stride 0: T5's position bias over the batch when the
+    attention probabilities are returned) gets a buffer with the same strides, which load() fills."""
+    from transfuse.runtime.static_buffers import load, static_buffer
+
+    g = torch.Generator().manual_seed(0)
+    for value in (torch.randn(1, 4, 5, 5, generator=g).expand(3, 4, 5, 5),
+                  torch.randn(4, 1, generator=g).expand(4, 6).t(),
+                  torch.randn(2, 7, generator=g)[:, 1:6],
+                  torch.randn(5, generator=g).as_strided((3, 3), (1, 1))):  # overlapping rows: dense buffer
+        buf = static_buffer(value)
+        assert buf.shape == value.shape
+        overlapping = value.stride() == (1, 1)
+        assert (buf.stride() == value.stride()) != overlapping
+        load(buf, value)
+        assert torch.equal(buf, value)
+        again = value.neg()  # dense: load reads one slice of it along the buffer's shared dimensions
+        load(buf, again)
+        assert torch.equal(buf, again)

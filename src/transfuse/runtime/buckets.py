@@ -30,6 +30,7 @@ import torch
 from transfuse.passes.padding import PaddingPlan
 from transfuse.runtime import precompile
 from transfuse.runtime.cuda_graphs import GraphCache, GraphPool, _Captured, run_directly
+from transfuse.runtime.static_buffers import load
 
 
 class BucketPolicy:
@@ -192,9 +193,13 @@ class PaddedRunner(GraphCache):
                 outputs = self.fn(*self._padded_args(args, real, target))
                 return self._slice_outputs(outputs, real, target, clone=False)
             padded = self._padded_args(args, real, target)
-            if self.precompiled is None:  # the first bucket's kernels, then at the second every bucket's
+            if self.precompiled is None and not self.capture_failed:  # first bucket's kernels, at the second every bucket's
                 self._precompile(args, padded, target, every_bucket=bool(self.graphs))
-            captured = self.store(key, _Captured(self.fn, padded, self.static_indices, self.pool))
+            captured = self.capture(lambda: _Captured(self.fn, padded, self.static_indices, self.pool))
+            if captured is None:  # capture refused (see GraphCache.capture): the kernels as they are
+                self.uncaptured_calls += 1
+                return self._slice_outputs(self.fn(*padded), real, target, clone=False)
+            self.store(key, captured)
         self._fill(captured, args, real)
         captured.graph.replay()
         return self._slice_outputs(captured.outputs, real, target, clone=True)
@@ -260,7 +265,7 @@ class PaddedRunner(GraphCache):
             if i in self._dims_of_input:
                 buf[self._corner(args[i].shape)].copy_(args[i])
             else:
-                buf.copy_(args[i])
+                load(buf, args[i])
 
     def bucket_report(self) -> list[str]:
         lines = []

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from typing import Callable
 
 import torch
+
+from transfuse.runtime.static_buffers import load, static_buffer
+
+log = logging.getLogger("transfuse")
 
 
 class GraphPool:
@@ -90,6 +95,16 @@ class AddressCheck:
         return all(args[i].data_ptr() == ptrs[i] for i in self.indices)
 
 
+class CaptureFailed(RuntimeError):
+    """CUDA or torch refused to capture a graph that runs eagerly: an op inside it synchronises with
+    the host (`.tolist()` in a custom op, a copy from unpinned CPU memory)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+
+
 class _Captured:
     def __init__(self, fn, args, static_indices, pool: GraphPool, written=()):
         self.static_indices = static_indices
@@ -97,8 +112,8 @@ class _Captured:
         self.inputs = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and i not in static_indices:
-                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
+                buf = static_buffer(a)
+                load(buf, a)
                 self.inputs.append((i, buf))
         self.args = list(args)
         for i, buf in self.inputs:
@@ -117,8 +132,12 @@ class _Captured:
         del warm
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool.get()):
-            self.outputs = fn(*self.args)
+        try:
+            with torch.cuda.graph(self.graph, pool=pool.get()):
+                self.outputs = fn(*self.args)
+        except Exception as exc:  # noqa: BLE001 - the warm-up ran: only capture itself refuses here
+            del self.graph
+            raise CaptureFailed(_first_line(exc)) from exc
         torch.cuda.synchronize()
         pool.graphs_captured += 1
         pool.capture_seconds += time.perf_counter() - start
@@ -129,7 +148,7 @@ class _Captured:
 
     def replay(self, args):
         for i, buf in self.inputs:
-            buf.copy_(args[i])
+            load(buf, args[i])
         self.graph.replay()
         return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
 
@@ -147,6 +166,7 @@ class GraphCache:
         self.hits: dict = {}  # replays per kept graph
         self.wasted = 0  # graphs evicted without a replay
         self.too_many = False  # the cache thrashed (see store): no more captures
+        self.capture_failed: str | None = None  # why a capture was refused: no more captures
 
     def lookup(self, key, args):
         """The graph for key, still valid for args (parameters not moved), or None."""
@@ -164,10 +184,22 @@ class GraphCache:
         self.seen[key] += 1
         if len(self.seen) > 4096:  # one-off keys must not grow this forever
             self.seen = collections.Counter({key: self.seen[key]})
-        if self.seen[key] < 2 or self.too_many:
+        if self.seen[key] < 2 or self.too_many or self.capture_failed:
             self.uncaptured_calls += 1
             return True
         return False
+
+    def capture(self, make: Callable[[], _Captured]) -> _Captured | None:
+        """make(), or None when capture is refused. A refused capture (CaptureFailed) is not retried:
+        the graph runs eagerly from then on, as it did in its warm-up, and the report says why."""
+        if self.capture_failed:
+            return None
+        try:
+            return make()
+        except CaptureFailed as exc:
+            self.capture_failed = str(exc)
+            log.warning("transfuse: a graph runs without CUDA graphs: capture was refused (%s)", exc)
+            return None
 
     def store(self, key, captured: _Captured) -> _Captured:
         self.graphs[key] = captured
@@ -220,5 +252,9 @@ class CudaGraphRunner(GraphCache):
         if captured is None:
             if key not in self.graphs and self.run_without_graph(key):
                 return self.fn(*args)  # fresh outputs: nothing static to protect
-            captured = self.store(key, _Captured(self.fn, args, self.in_place, self.pool, self.written))
+            captured = self.capture(lambda: _Captured(self.fn, args, self.in_place, self.pool, self.written))
+            if captured is None:
+                self.uncaptured_calls += 1
+                return self.fn(*args)
+            self.store(key, captured)
         return captured.replay(args)

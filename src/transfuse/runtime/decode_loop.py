@@ -57,6 +57,7 @@ import torch
 from transfuse.kernels.argmax import argmax_partials
 from transfuse.kernels.decode_step import decode_step_fwd
 from transfuse.runtime.cuda_graphs import AddressCheck, part_of_callers_graph
+from transfuse.runtime.static_buffers import load, static_buffer
 from transfuse.runtime.step_inputs import StepInputs, fixed_inputs
 
 log = logging.getLogger("transfuse")
@@ -465,7 +466,7 @@ def _signature(value):
 def _static_copy(value):
     """The same structure with every tensor replaced by a new one of its shape and strides."""
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return static_buffer(value)
     if isinstance(value, dict):
         return type(value)(**{k: _static_copy(v) for k, v in value.items()}) if type(value) is not dict \
             else {k: _static_copy(v) for k, v in value.items()}
@@ -477,7 +478,7 @@ def _static_copy(value):
 def _copy_into(static, value) -> None:
     """This call's tensors into the entry's (same structure: equal _signature)."""
     if isinstance(value, torch.Tensor):
-        static.copy_(value)
+        load(static, value)
     elif isinstance(value, dict):
         for k, v in value.items():
             _copy_into(static[k], v)
