@@ -51,6 +51,23 @@ def test_config_change_after_optimize_is_seen():
     assert out.hidden_states is not None and len(out.hidden_states) == len(ref.hidden_states)
 
 
+def test_output_capturing_hooks_are_installed_before_the_call_that_asks():
+    """Transformers 5 registers its hidden-state hooks inside the first call that asks for them,
+    which Dynamo's code compiled by earlier calls does not see (on torch 2.11 MBart then returned
+    no decoder_hidden_states). They are installed before that call: the model is traced afresh."""
+    model, eager, ids = _pair()
+    before = model._transfuse_state.backend
+    assert not getattr(model, "_output_capturing_hooks_installed", False)
+    out, ref = _same(model, eager, ids, output_hidden_states=True)
+    assert model._output_capturing_hooks_installed
+    assert model._transfuse_state.backend is not before  # the hooks were a change seen before the call
+    assert len(out.hidden_states) == len(ref.hidden_states) == 3
+    for got, want in zip(out.hidden_states, ref.hidden_states):
+        assert rel_err(got, want) < 1e-5
+    out, ref = _same(model, eager, ids)  # plain calls after it: the inert hooks, the same answer
+    assert out.hidden_states is None and ref.hidden_states is None
+
+
 def test_train_mode_after_optimize_is_seen_then_eval_works():
     model, eager, ids = _pair()
     model.train()

@@ -15,6 +15,7 @@ from transfuse.guards import ModuleWatch, module_guard_filter
 from transfuse.report import format_report
 from transfuse.runtime import encoder as _encoder
 from transfuse.runtime import generation as _generation
+from transfuse.runtime import output_hooks
 from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
 
@@ -199,6 +200,8 @@ def optimize(
             return original(*args, **kwargs)
         if dynamic:
             _mark_dynamic(args, kwargs)
+        if kwargs:
+            output_hooks.install_before_call(model, kwargs)  # a module change the watch below sees
         if watch is not None and watch.changed():
             # A module of the model changed (guards.py): a fresh backend is a new Dynamo cache entry.
             state.compile()
