@@ -86,3 +86,61 @@ def test_t5_inputs_past_the_relative_buckets_and_an_empty_decoder_prompt():
     assert rel_err(out, ref) < 1e-5 and torch.equal(tokens, ref_tokens)
     assert str(error.value) == str(eager_error.value)
     assert "1 call(s) with an empty input tensor, whose trace failed, ran as written" in transfuse.report(model)
+
+
+@torch.library.custom_op("transfuse_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    """Runs eagerly; Dynamo cannot trace it (no fake implementation), like model code that only
+    works eagerly (LongT5's mask built on the CPU under torch.compile)."""
+    return x * 2
+
+
+class _Untraceable(torch.nn.Module):
+    def __init__(self, break_first: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.break_first = break_first
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.break_first:
+            torch._dynamo.graph_break()  # the graph before it runs before the trace after it fails
+        return _no_fake(y) + 1
+
+
+def test_a_call_dynamo_cannot_trace_runs_as_written_and_is_reported():
+    import logging
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    seen, log = Seen(), logging.getLogger("transfuse")
+    torch.manual_seed(0)
+    model = _Untraceable(break_first=False).eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+        opt = transfuse.optimize(_Untraceable(break_first=False).eval())
+        opt.load_state_dict(model.state_dict())
+        log.addHandler(seen)
+        try:
+            outs = [opt(x) for _ in range(2)]
+        finally:
+            log.removeHandler(seen)
+    assert all(torch.equal(out, want) for out in outs)
+    text = transfuse.report(opt)
+    assert "2 call(s) that Dynamo cannot trace, run as written: transfuse_test.no_fake" in text
+    assert sum("Dynamo cannot trace" in m for m in seen.messages) == 1  # warned once
+
+
+def test_a_trace_error_after_a_graph_ran_is_raised():
+    """A graph of the call ran before the failing trace (it may have written a cache): running the
+    call again as written could apply its writes twice, so Dynamo's error reaches the user."""
+    opt = transfuse.optimize(_Untraceable(break_first=True).eval())
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.TorchRuntimeError):
+        opt(torch.randn(3, 8))

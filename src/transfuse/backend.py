@@ -51,6 +51,7 @@ class Backend:
         self.pool = GraphPool()
         self.merged: list[MergedWeights] = []
         self._slots: list = []  # (runner, merged weights) per compiled graph, None once released
+        self.graph_calls = 0  # calls of any compiled graph: whether a failed model call ran one
 
     def release(self) -> None:
         """Drops the graphs, CUDA graphs and merged weights this backend holds (the records stay,
@@ -161,6 +162,7 @@ class Backend:
         index = len(slot) - 1
 
         def compiled(*args):
+            self.graph_calls += 1
             held = slot[index]
             if held is None:
                 raise StaleGraph("this graph was released (its model was restored or deleted)")

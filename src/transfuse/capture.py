@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import weakref
@@ -50,6 +51,7 @@ class _State:
         self.generation_config_memo = None  # generate()'s merged config kept (runtime/generation_config_memo.py)
         self.encoder_call = None  # an encoder-decoder's encoder, compiled for generate() (runtime/encoder.py)
         self.empty_calls = 0  # calls with an empty input tensor whose trace failed: they ran as written
+        self.untraceable: collections.Counter = collections.Counter()  # Dynamo's trace error -> calls run as written
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
         self.branchless = None  # forwards whose data-dependent guards were made branchless (branchless.py)
 
@@ -207,6 +209,7 @@ def optimize(
             state.compile()
             watch.snapshot()
         traced = len(state.backend.records)
+        backend, graph_calls = state.backend, state.backend.graph_calls
         try:
             if watch is not None:
                 watch.in_call = True  # registrations the forward itself makes are Dynamo's to see
@@ -216,13 +219,22 @@ def optimize(
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
                 state.compile()
                 return state.compiled(*args, **kwargs)
-            except Exception:
+            except Exception as exc:
                 # An empty input (a decoder prompt of length 0, a batch of 0) can fail Dynamo's trace
                 # with a fake-tensor error that says nothing to the user: such a call runs as written,
                 # which gives the model's own result or raises the model's own error; the report counts it.
-                if not _has_empty_tensor(args, kwargs):
+                if _has_empty_tensor(args, kwargs):
+                    state.empty_calls += 1
+                    return original(*args, **kwargs)
+                untraceable = _untraceable(exc)
+                if untraceable is None or state.backend is not backend or backend.graph_calls != graph_calls:
                     raise
-                state.empty_calls += 1
+                # Dynamo could not trace the model's code for this call (the same error as
+                # torch.compile's), and no compiled graph of it ran: nothing of it was written yet, so
+                # the call runs as written, and the report and a warning say so.
+                state.untraceable[untraceable] += 1
+                if state.untraceable[untraceable] == 1:
+                    log.warning("transfuse: a call ran as written: Dynamo cannot trace it: %s", untraceable)
                 return original(*args, **kwargs)
         finally:
             if watch is not None:
@@ -321,6 +333,18 @@ def _release(backends: list) -> None:
         backend.release()
 
 
+def _untraceable(exc: BaseException) -> str | None:
+    """The first line of a Dynamo error raised while tracing the model's own code (its fake-tensor
+    run of an op failed: code that only works eagerly), or None for any other error."""
+    if not isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = next((line for line in lines if "got " in line and "Error" in line), lines[0] if lines else "")
+    op = re.search(r"call_\w+ ([\w.<>]+)", detail)
+    cause = detail[detail.index("got ") + 4:] if "got " in detail else detail
+    return ((f"{op.group(1)}: " if op else "") + cause)[:200]
+
+
 def _has_empty_tensor(args, kwargs) -> bool:
     return any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in (*args, *kwargs.values()))
 
@@ -343,6 +367,8 @@ def report(model: torch.nn.Module) -> str:
             text += f"\n  generate(): {state.decode_loop.describe()}"
     elif state.static_cache_reason and hasattr(model, "generate"):
         text += f"\n  generate(): Hugging Face's default cache ({state.static_cache_reason})"
+    for error, calls in state.untraceable.items():
+        text += f"\n  left to eager: {calls} call(s) that Dynamo cannot trace, run as written: {error}"
     if state.empty_calls:
         text += (f"\n  left to eager: {state.empty_calls} call(s) with an empty input tensor, whose trace failed, "
                  "ran as written")
