@@ -340,7 +340,7 @@ def _untraceable(exc: BaseException) -> str | None:
         return None
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     detail = next((line for line in lines if "got " in line and "Error" in line), lines[0] if lines else "")
-    op = re.search(r"call_\w+ ([\w.<>]+)", detail)
+    op = re.search(r"call_\w+ <?(built-in (?:method|function) \w+|function \w+|[\w.]+)", detail)
     cause = detail[detail.index("got ") + 4:] if "got " in detail else detail
     return ((f"{op.group(1)}: " if op else "") + cause)[:200]
 
