@@ -100,9 +100,10 @@ class CaptureFailed(RuntimeError):
     the host (`.tolist()` in a custom op, a copy from unpinned CPU memory)."""
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """'Type: first line of the message' (at most `limit` characters of it), for a report line."""
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+    return f"{type(exc).__name__}: {lines[0][:limit] if lines else ''}"
 
 
 class _Captured:
@@ -137,7 +138,7 @@ class _Captured:
                 self.outputs = fn(*self.args)
         except Exception as exc:  # noqa: BLE001 - the warm-up ran: only capture itself refuses here
             del self.graph
-            raise CaptureFailed(_first_line(exc)) from exc
+            raise CaptureFailed(first_line(exc)) from exc
         torch.cuda.synchronize()
         pool.graphs_captured += 1
         pool.capture_seconds += time.perf_counter() - start

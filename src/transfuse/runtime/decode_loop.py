@@ -56,7 +56,7 @@ import torch
 
 from transfuse.kernels.argmax import argmax_partials
 from transfuse.kernels.decode_step import decode_step_fwd
-from transfuse.runtime.cuda_graphs import AddressCheck, part_of_callers_graph
+from transfuse.runtime.cuda_graphs import AddressCheck, first_line, part_of_callers_graph
 from transfuse.runtime.static_buffers import load, static_buffer
 from transfuse.runtime.step_inputs import StepInputs, fixed_inputs
 
@@ -421,7 +421,7 @@ class DecodeLoop:
             with torch.cuda.graph(graph, pool=self.state.backend.pool.get()), part_of_callers_graph():
                 step()
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
-            entry.no_graph_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            entry.no_graph_reason = first_line(e, limit=160)
             log.warning("transfuse: the decode step runs without a CUDA graph: %s", entry.no_graph_reason)
             return
         self.captures += 1
