@@ -319,6 +319,14 @@ def _spread_weights(model) -> None:
                 p.add_(0.1 * noise)
 
 
+def _dynamo_alone(model):
+    """A copy of the model under Dynamo without transfuse (its "eager" backend, dynamic shapes): what
+    a failure looks like when it is inherited from the trace rather than made by transfuse."""
+    import torch
+
+    return torch.compile(copy.deepcopy(model), backend="eager", dynamic=True)
+
+
 def _logits(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -437,7 +445,7 @@ class Unit:
             except Exception as exc:  # noqa: BLE001
                 # Does Dynamo alone raise it too (the model's code under torch.compile)? Then inherited.
                 try:
-                    call(torch.compile(copy.deepcopy(eager), backend="eager", dynamic=True))
+                    call(_dynamo_alone(eager))
                 except Exception as again:  # noqa: BLE001
                     if type(again) is type(exc):
                         return dict(status="SKIP", reason=f"inherited: {_short(exc)}; torch.compile(backend='eager', "
@@ -447,7 +455,7 @@ class Unit:
             reason = f"outputs {[n for n, _ in got][:6]} != eager's {[n for n, _ in want][:6]}"
             with torch.no_grad():
                 # the same history as ours: the plain forwards first (graphs traced without the variant)
-                alone_model = torch.compile(copy.deepcopy(eager), backend="eager", dynamic=True)
+                alone_model = _dynamo_alone(eager)
                 alone_model(**self.inputs(seq))
                 alone = call(alone_model)
             if [n for n, _ in alone] == [n for n, _ in got]:
@@ -482,7 +490,7 @@ class Unit:
         # Does Dynamo alone (no transfuse: its "eager" backend, dynamic shapes) give the same error?
         # Then the failure is inherited from the trace of the model, not made by transfuse.
         try:
-            traced = torch.compile(copy.deepcopy(eager), backend="eager", dynamic=True)
+            traced = _dynamo_alone(eager)
             with torch.no_grad():
                 mine = dict(call(traced))[name]
             err_dynamo = _rel(mine, dict(want)[name])
@@ -527,10 +535,7 @@ class Unit:
         # what precedes the generated tokens: the prompt, or an encoder-decoder's start token
         # (scores[i] chose sequences[:, prompt + i])
         prompt = 1 if self.kind == "s2s" else kw["input_ids"].shape[1]
-        width = max(want.shape[1], got.shape[1])
-        fill = gen["pad_token_id"]
-        want = torch.nn.functional.pad(want, (0, width - want.shape[1]), value=fill)
-        got = torch.nn.functional.pad(got, (0, width - got.shape[1]), value=fill)
+        want, got = self._pad_to(want, got, gen["pad_token_id"])
         scores = [s.float().cpu() for s in ref.scores]
         tie_tol = max(TIE_FACTOR * self.logit_diff, TIE_FLOOR[self.dtype])
         equal = ties = bad = dtype_noise = 0
