@@ -237,6 +237,61 @@ FAMILIES += [
           num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=64, ngram=2,
           num_buckets=32, relative_max_distance=64, **_S2S_IDS), None),
 ]
+# More families (session 26): attention sinks, multi-head latent attention, chunked attention, MoE
+# routing, sliding windows, partial rotary, hybrid convolution layers, rotary encoders, local-block
+# encoders and a switch-MoE T5.
+FAMILIES += [
+    ("gpt_oss", "dec", "GptOssConfig", "GptOssForCausalLM",  # attention sinks, sliding window 8, 4 experts top 2
+     dict(_LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+          layer_types=["sliding_attention", "full_attention"]), None),
+    ("deepseek_v3", "dec", "DeepseekV3Config", "DeepseekV3ForCausalLM",  # MLA: qk 24 (16 + rope 8), v 16
+     dict(_LLAMA, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+          num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16), None),
+    ("llama4_text", "dec", "Llama4TextConfig", "Llama4ForCausalLM",  # chunked attention 8, NoPE layer, L2 qk norm
+     dict(_LLAMA, head_dim=16, intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+          attention_chunk_size=8, no_rope_layers=[1, 0], use_qk_norm=True, interleave_moe_layer_step=2), None),
+    ("glm4", "dec", "Glm4Config", "Glm4ForCausalLM",  # half-rotary interleaved, post norms
+     dict(_LLAMA, head_dim=16, partial_rotary_factor=0.5), None),
+    ("nemotron", "dec", "NemotronConfig", "NemotronForCausalLM",  # relu^2, LayerNorm1P, half rotary
+     dict(_LLAMA, head_dim=16, partial_rotary_factor=0.5), None),
+    ("persimmon", "dec", "PersimmonConfig", "PersimmonForCausalLM",  # Q/K layer norms, relu^2, half rotary
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, qk_layernorm=True,
+          partial_rotary_factor=0.5, max_position_embeddings=64, **IDS), None),
+    ("xglm", "dec", "XGLMConfig", "XGLMForCausalLM",  # sinusoidal positions, scaled embeddings
+     dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=96, max_position_embeddings=64, **IDS), None),
+    ("biogpt", "dec", "BioGptConfig", "BioGptForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+          max_position_embeddings=64, **IDS), None),
+    ("cohere2", "dec", "Cohere2Config", "Cohere2ForCausalLM",  # sliding window 8, global layer without rope
+     dict(_LLAMA, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("exaone4", "dec", "Exaone4Config", "Exaone4ForCausalLM",  # sliding window, Q/K norms, post norms
+     dict(_LLAMA, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("apertus", "dec", "ApertusConfig", "ApertusForCausalLM", dict(_LLAMA), None),  # xIELU activation
+    ("qwen3_moe", "dec", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",  # 4 experts top 2, Q/K norms
+     dict(_LLAMA, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2), None),
+    ("lfm2", "dec", "Lfm2Config", "Lfm2ForCausalLM",  # short convolutions and attention layers
+     dict(_LLAMA, layer_types=["conv", "full_attention"]), None),
+    ("roformer", "enc", "RoFormerConfig", "RoFormerForMaskedLM",  # rotary in an encoder
+     dict(hidden_size=64, embedding_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+          max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("esm", "enc", "EsmConfig", "EsmForMaskedLM",  # rotary, pre-norm, token dropout
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+          position_embedding_type="rotary", token_dropout=True, mask_token_id=3, vocab_size=VOCAB, pad_token_id=1), None),
+    ("megatron_bert", "enc", "MegatronBertConfig", "MegatronBertForMaskedLM",  # pre-norm BERT
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("squeezebert", "enc", "SqueezeBertConfig", "SqueezeBertForMaskedLM",  # grouped 1x1 convolutions
+     dict(hidden_size=64, embedding_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+          max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("pegasus_x", "s2s", "PegasusXConfig", "PegasusXForConditionalGeneration",  # global tokens, local blocks of 8
+     dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+          encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, num_global_tokens=4, block_size=8,
+          stagger_local_blocks=True, **dict(_S2S_IDS, decoder_start_token_id=PAD)), None),
+    ("switch_transformers", "s2s", "SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+     dict(_T5, num_experts=4, expert_capacity=8, encoder_sparse_step=2, decoder_sparse_step=2,
+          decoder_start_token_id=PAD), None),
+]
 BY_NAME = {f[0]: f for f in FAMILIES}
 
 
