@@ -372,3 +372,54 @@ def test_key_len_ignores_padded_keys(mask_name, key_len, device):
         ref = attention_ref(q, k, v, mask, 0.2, is_causal, masked_rows_zero, key_len=key_len)
         assert torch.equal(out.isnan(), ref.isnan())
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+# ---- sinks: one extra logit per head with no value (GPT-OSS) ---------------------------------
+
+def _gpt_oss_eager(q, k, v, mask, sinks, scale):
+    """GPT-OSS's eager attention as Hugging Face writes it: the sinks concatenated to the scores,
+    the row maximum subtracted, softmax, the sink column dropped."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores + mask
+    sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("use_summary", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sinks_match_eager(is_causal, use_summary, device):
+    """Sinks take their share of every row (some large, so that the sink is the row's maximum);
+    rows that see no key (-inf or finfo.min masks) give 0, as eager's form does; GQA 4 -> 2."""
+    q, k, v = qkv(2, 4, 2, SQ, SK, 32, torch.float32, device)
+    sinks = torch.tensor([0.5, -1.0, 3.0, 40.0], device=device)
+    keep = torch.rand(2, 1, SQ, SK, device=device) > 0.3
+    keep[:, :, 5] = False
+    keep[:, :, :, 64:128] = False
+    for fill in (float("-inf"), FP32_MIN):
+        mask = torch.zeros(keep.shape, device=device).masked_fill(~keep, fill)
+        summary = attention_mask_summary_fwd(mask, SQ, SK) if use_summary else None
+        out = attention_fwd(q, k, v, mask, summary, 0.3, is_causal, False, sinks=sinks)
+        causal = torch.ones(SQ, SK, dtype=torch.bool, device=device).triu(1)
+        eager = _gpt_oss_eager(q, k, v, mask.masked_fill(causal, float("-inf")) if is_causal else mask, sinks, 0.3)
+        assert out[:, :, 5].eq(0).all() and not out.isnan().any()
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+        ref = attention_ref(q, k, v, mask, 0.3, is_causal, False, sinks=sinks)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # no mask, fp16 and bf16 within twice torch's own error in the dtype against fp32
+    for dtype in (torch.float16, torch.bfloat16):
+        qh, kh, vh, sh = q.to(dtype), k.to(dtype), v.to(dtype), sinks.to(dtype)
+        out = attention_fwd(qh, kh, vh, None, None, 0.3, is_causal, True, sinks=sh)
+        ref = attention_ref(qh.float(), kh.float(), vh.float(), None, 0.3, is_causal, True, sinks=sh.float())
+        torch_err = _max_err(attention_ref(qh, kh, vh, None, 0.3, is_causal, True, sinks=sh), ref)
+        assert out.dtype == dtype and _max_err(out, ref) <= 2 * torch_err + 2e-3
+
+
+def test_sinks_must_be_one_per_head(device):
+    q, k, v = qkv(1, 4, 2, 5, 5, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="one float per query head"):
+        attention_fwd(q, k, v, None, None, 0.3, False, True, sinks=torch.zeros(2, device=device))

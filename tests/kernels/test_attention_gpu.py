@@ -198,3 +198,28 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     _check(q, k, v, mask, 0.125, False, out=out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sinks_gpt_oss_geometry(is_causal, dtype):
+    """GPT-OSS-20B's attention (64 query heads, 8 KV heads, head dim 64) with one sink per head and
+    a sliding-window mask of 128: error against fp32 no worse than twice PyTorch's own in the dtype
+    (PyTorch computing the same sink softmax in the dtype, as Hugging Face's eager code does)."""
+    q, k, v = _qkv(2, 64, 8, 300, 300, 64, dtype)
+    sinks = (torch.randn(64, device="cuda") * 2).to(dtype)
+    i = torch.arange(300, device="cuda")
+    window = (i[None, :] > i[:, None] - 128)
+    mask = torch.zeros(300, 300, device="cuda").masked_fill(~window, float("-inf"))
+    out = attention_fwd(q, k, v, mask, None, 0.125, is_causal, False, sinks=sinks)
+    ref = attention_ref(q.float(), k.float(), v.float(), mask, 0.125, is_causal, False, sinks=sinks.float())
+    # Hugging Face's eager form, every step in the dtype
+    kk, vv = k.repeat_interleave(8, 1), v.repeat_interleave(8, 1)
+    full = mask.masked_fill(i[None, :] > i[:, None], float("-inf")) if is_causal else mask
+    scores = ((q @ kk.transpose(-1, -2)) * 0.125 + full).to(dtype)
+    combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(2, -1, 300, -1)], dim=-1)
+    theirs = torch.softmax(combined - combined.max(-1, keepdim=True).values, dim=-1, dtype=dtype)[..., :-1] @ vv
+    assert not out.isnan().any()
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (theirs.float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + ATOL[dtype], f"err {err:.3e} vs torch {torch_err:.3e}"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_schemas():
     assert str(torch.ops.transfuse.attention.default._schema) == (
         "transfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mask_summary, "
-        "float scale, bool is_causal, bool masked_rows_zero, Tensor? key_len=None) -> Tensor")
+        "float scale, bool is_causal, bool masked_rows_zero, Tensor? key_len=None, Tensor? sinks=None) -> Tensor")
     assert str(torch.ops.transfuse.attention_mask_summary.default._schema) == (
         "transfuse::attention_mask_summary(Tensor mask, SymInt seqlen_q, SymInt seqlen_k) -> Tensor")
 
@@ -39,6 +39,7 @@ def test_opcheck_attention(device):
         (q, k, v, bool_mask, summarise(bool_mask, 11, 70), 0.25, False, True),
         (q, k, v, additive, None, 0.25, True, False),
         (q, k, v, bool_mask, summarise(bool_mask, 11, 70), 0.25, False, True, torch.tensor([41], dtype=torch.int32, device=device)),
+        (q, k, v, additive, None, 0.25, True, False, None, torch.randn(4, device=device)),  # sinks, one per head
     ]
     for args in samples:
         torch.library.opcheck(torch.ops.transfuse.attention.default, args)

@@ -155,3 +155,76 @@ def test_head_dim_above_the_kernels_is_left_to_pytorch():
     assert rewrites.get("TorchSDPA", 0) == 0
     assert any("head dim 512" in r.reason for r in rejections)
     assert rel_err(out, ref) < 1e-5
+
+
+class WithSinks(torch.nn.Module):
+    """Attention with one sink logit per head (GPT-OSS), in several spellings; GQA 4 -> 2 through
+    repeat_kv. `per_query` sinks vary along the queries: not one value per head, left alone."""
+
+    def __init__(self, variant: str, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+        super().__init__()
+        self.variant, self.heads, self.kv_heads, self.dim = variant, heads, kv_heads, dim
+        self.q = torch.nn.Linear(heads * dim, heads * dim)
+        self.kv = torch.nn.Linear(heads * dim, 2 * kv_heads * dim)
+        self.sinks = torch.nn.Parameter(torch.randn(heads) * 2)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k, v = (z.view(b, t, self.kv_heads, self.dim).transpose(1, 2) for z in self.kv(x).chunk(2, dim=-1))
+        k, v = GroupedQuery.repeat_kv(k, 2), GroupedQuery.repeat_kv(v, 2)
+        att = torch.matmul(q, k.transpose(2, 3)) * self.dim**-0.5 + mask
+        if self.variant == "per_query":
+            sinks = self.sinks[None, :, None, None] * torch.arange(t, dtype=x.dtype)[None, None, :, None]
+            sinks = sinks.expand(b, -1, -1, -1)
+        else:
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+        combined = torch.cat([att, sinks], dim=-1)
+        if self.variant in ("hf", "per_query"):  # Hugging Face's GPT-OSS
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        elif self.variant == "amax":
+            combined = combined - torch.amax(combined, -1, keepdim=True)
+            probs = combined.softmax(-1)[:, :, :, :-1]
+        elif self.variant == "plain":  # no maximum subtracted
+            probs = torch.softmax(combined, dim=-1)[..., :-1]
+        y = torch.matmul(F.dropout(probs, p=0.0, training=False), v)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
+@pytest.mark.parametrize("variant, matches", [("hf", 1), ("amax", 1), ("plain", 1), ("per_query", 0)])
+def test_attention_with_sinks(variant, matches):
+    """Rows that see no key (finfo.min padding of row 1) give 0 like eager, not an average."""
+    torch.manual_seed(0)
+    model = WithSinks(variant).eval()
+    x = torch.randn(2, 11, 64)
+    mask = torch.zeros(2, 1, 11, 11).masked_fill(torch.ones(11, 11, dtype=torch.bool).triu(1), float("-inf"))
+    mask[1, :, :, :4] = torch.finfo(torch.float32).min
+    mask[1, :, 2] = torch.finfo(torch.float32).min
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, mask)
+    assert rewrites.get("ManualAttention", 0) == matches, (rewrites, [r.reason for r in rejections])
+    if not matches:
+        assert any("ManualAttention" == r.pattern for r in rejections)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_gpt_oss_attention_with_sinks_matches_eager():
+    """Hugging Face's GPT-OSS (eager attention with sinks, a sliding and a full layer, MoE): every
+    attention rewritten, logits as eager's."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.sinks.normal_(0, 2)
+        model.model.layers[1].self_attn.sinks.normal_(0, 2)
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
+    assert rewrites.get("ManualAttention") == 2, (rewrites, [r.reason for r in rejections])
+    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5

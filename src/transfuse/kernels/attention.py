@@ -7,8 +7,10 @@
     out: (batch, nheads, seqlen_q, headdim) laid out as a contiguous (batch, seqlen_q, nheads, headdim),
          so that `out.transpose(1, 2).reshape(batch, seqlen_q, nheads * headdim)` is a free view.
 
+    sinks: None or (nheads,) float, one extra logit per query head (GPT-OSS's attention sinks)
     s = scale * q @ k^T (+ mask, or -inf where a bool mask is False; -inf above the diagonal if causal)
-    out = softmax(s) @ v
+    out = softmax(s) @ v, or with sinks softmax([s, sink])[..., :-1] @ v: each row's weights share
+          their mass with a key that has no value; a row that sees no key gives 0
 
 One program computes BLOCK_M query rows against all keys, streaming BLOCK_N keys at a time and keeping
 the running row maximum m_i, the running sum of exponentials l_i and the unnormalised output acc in
@@ -294,10 +296,12 @@ def _attention_fwd_kernel(
     mask_ptr, stride_mask_batch, stride_mask_head, stride_mask_q, stride_mask_k,
     summary_ptr, stride_summary_batch, stride_summary_head, stride_summary_qblock,
     key_len_ptr,
+    sinks_ptr,
     nheads, kv_group, seqlen_q, seqlen_k, num_summary_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -431,6 +435,14 @@ def _attention_fwd_kernel(
         HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
     )
 
+    if HAS_SINKS:
+        # The sink is one more score with no value: it joins the row's maximum and its sum of
+        # exponentials once, after the keys (the same online-softmax step as a key block).
+        sink = tl.load(sinks_ptr + off_h).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     # l_i == 0 exactly when every score of the row was -inf (otherwise the maximum contributes 1).
     if MASKED_ROWS_ZERO:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -608,6 +620,7 @@ def attention_fwd(
     is_causal: bool,
     masked_rows_zero: bool,
     key_len: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     autotune: bool = False,
 ) -> torch.Tensor:
     """softmax(scale * q @ k^T + mask) @ v; see the module docstring for shapes and semantics.
@@ -632,7 +645,10 @@ def attention_fwd(
         raise ValueError("mask_summary given without mask")
     if key_len is not None and (key_len.numel() != 1 or key_len.dtype != torch.int32):
         raise ValueError(f"key_len must be one int32 element, got {tuple(key_len.shape)} / {key_len.dtype}")
-    for name, t in (("k", k), ("v", v), ("mask", mask), ("mask_summary", mask_summary), ("key_len", key_len)):
+    if sinks is not None and (tuple(sinks.shape) != (nheads,) or not sinks.dtype.is_floating_point):
+        raise ValueError(f"sinks must be one float per query head ({nheads},), got {tuple(sinks.shape)} / {sinks.dtype}")
+    for name, t in (("k", k), ("v", v), ("mask", mask), ("mask_summary", mask_summary), ("key_len", key_len),
+                    ("sinks", sinks)):
         if t is not None and t.device != q.device:
             raise ValueError(f"attention: {name} is on {t.device}, q on {q.device}")
 
@@ -643,6 +659,7 @@ def attention_fwd(
         raise ValueError("attention needs at least one key")
     # The kernel assumes unit stride along the head dim (vectorised loads); anything else is rare.
     q = q if q.stride(-1) == 1 else q.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
 
@@ -686,12 +703,14 @@ def attention_fwd(
         mask_arg, stride_mb, stride_mh, stride_mq, stride_mk,
         summary_arg, stride_sb, stride_sh, stride_sq,
         key_len if key_len is not None else q,  # never read without HAS_KEY_LEN
+        sinks if sinks is not None else q,  # never read without HAS_SINKS
         nheads, nheads // nheads_kv, seqlen_q, seqlen_k, num_summary_k, float(scale),
         bucket_q, bucket_k,
     )
     flags = dict(
         HEAD_DIM=head_dim,
         HAS_KEY_LEN=key_len is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_D=block_d,
         IS_CAUSAL=bool(is_causal),
         HAS_MASK=has_mask,

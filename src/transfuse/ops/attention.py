@@ -2,7 +2,7 @@
 graphs use torch.ops.transfuse.attention_train, ops/attention_train.py).
 
     attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mask_summary, float scale,
-              bool is_causal, bool masked_rows_zero, Tensor? key_len=None) -> Tensor
+              bool is_causal, bool masked_rows_zero, Tensor? key_len=None, Tensor? sinks=None) -> Tensor
     attention_mask_summary(Tensor mask, int seqlen_q, int seqlen_k) -> Tensor
 
 Shapes, mask forms and the numerics of fully masked rows are documented in
@@ -10,7 +10,8 @@ transfuse.kernels.attention. The output of `attention` is (batch, nheads, seqlen
 memory of a contiguous (batch, seqlen_q, nheads, headdim); the fake implementation returns the same
 strides. The summary is computed once per forward and shared by every layer that uses the same mask.
 `key_len` (one int32 on the device) ends the keys early: the runtime pads batches to a bucket and
-the padded keys must not be attended to, whatever the mask says.
+the padded keys must not be attended to, whatever the mask says. `sinks` (one float per query head)
+adds a logit with no value to every row's softmax (GPT-OSS).
 """
 
 import torch
@@ -34,12 +35,13 @@ def attention(
     is_causal: bool,
     masked_rows_zero: bool,
     key_len: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention_fwd(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len)
+    return attention_fwd(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len, sinks)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len=None):
+def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len=None, sinks=None):
     return attention_empty_out(q)
 
 

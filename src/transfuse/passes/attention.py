@@ -10,7 +10,9 @@ Two source idioms:
   (`att.masked_fill(bias == 0, -inf)`). Any number of scalar multiplications/divisions (the scale,
   whatever its value or spelling), additive masks of any broadcastable shape, a boolean mask applied
   with `masked_fill(-inf)` or `torch.where`, dtype casts around the softmax; no literal constant
-  is ever compared against.
+  is ever compared against. Also with sinks (GPT-OSS: one logit per head concatenated to the scores,
+  its column dropped after the softmax; passes/attention_sinks.py) and with the row maximum
+  subtracted before the softmax.
 
 A mask shared by several layers gets one block summary (`attention_mask_summary`) per forward,
 inserted once next to the mask and reused by every attention that reads it.
@@ -28,6 +30,7 @@ import torch.fx as fx
 from transfuse.kernels.attention import MAX_HEAD_DIM
 from transfuse.ops.attention import mask_summary_for
 from transfuse.passes import causal_mask
+from transfuse.passes.attention_sinks import drops_last_column, row_max, sink_column
 
 from transfuse.passes.graph import (
     arg,
@@ -73,6 +76,9 @@ def run(ctx: PassContext) -> None:
             _check_operands(spec)
         except Reject as reason:
             ctx.reject(pattern, node, str(reason))
+            continue
+        if spec.get("sinks") is not None and ctx.training:
+            ctx.reject(pattern, node, "attention sinks in a training graph (the training kernel has none)")
             continue
         if spec.get("dropout_p", 0.0) and not ctx.training:
             ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
@@ -217,8 +223,12 @@ def _match_manual(softmax: fx.Node) -> dict:
     chain = [softmax]
     cur = softmax
     dropout_p = 0.0
-    while (user := single_user(cur)) is not None and (kind(user) == "to" or (kind(user) == "dropout" and not dropout_p)):
-        if kind(user) == "dropout":  # only p > 0 in training mode is left by the dropout pass
+    drop_last = False  # the sink's column dropped from the probabilities
+    while (user := single_user(cur)) is not None and (
+            kind(user) == "to" or (kind(user) == "dropout" and not dropout_p) or (not drop_last and drops_last_column(user))):
+        if drops_last_column(user):
+            drop_last = True
+        elif kind(user) == "dropout":  # only p > 0 in training mode is left by the dropout pass
             dropout_p = scalar(arg(user, 1, "p", 0.5))
             if dropout_p is None or arg(user, 2, "training", True) is not True or arg(user, 3, "inplace", False):
                 raise Reject("dropout on the probabilities with settings that are not constants")
@@ -233,14 +243,21 @@ def _match_manual(softmax: fx.Node) -> dict:
     scale = 1.0
     masks: list = []
     bool_masks: list = []
+    sinks = None
+    row_maxima: set = set()  # the row maximum subtracted from a node also reads that node
     x = arg(softmax, 0, "input")
     while True:
         if not isinstance(x, fx.Node):
             raise Reject("softmax input is not a graph value")
         k = kind(x)
-        if len(x.users) != 1:
+        if len(set(x.users) - row_maxima) != 1:
             raise Reject(f"intermediate score tensor '{x.name}' has other users")
         chain.append(x)
+        if (column := sink_column(x)) is not None:
+            if not drop_last or sinks is not None:
+                raise Reject("a column concatenated to the scores that the softmax output keeps")
+            x, sinks = column
+            continue
         if k == "matmul":
             qk = x
             break
@@ -261,6 +278,11 @@ def _match_manual(softmax: fx.Node) -> dict:
             a, b = x.args[0], x.args[1]
             if not is_tensor(b) and scalar(b) is not None:
                 x = a  # a constant shift of every score leaves softmax unchanged
+                continue
+            if k == "sub" and (maximum := row_max(b, a)) is not None:
+                row_maxima.update(maximum)  # so does a shift of each row by its own maximum
+                chain.extend(maximum)
+                x = a
                 continue
             if k == "sub":
                 raise Reject("a tensor subtracted from the scores")
@@ -297,9 +319,11 @@ def _match_manual(softmax: fx.Node) -> dict:
         raise Reject("both an additive and a boolean mask")
     if len(bool_masks) > 1:
         raise Reject("more than one boolean mask")
+    if drop_last and sinks is None:
+        raise Reject("the softmax output loses its last column, which no sink column made")
     return dict(
         out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
-        is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p,
+        is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p, sinks=sinks,
         # Under autocast both matmuls run in its dtype whatever q, k and v hold (CodeGen upcasts q and
         # k to fp32 first): the op gets them cast. A mask is added to the scores outside the matmuls,
         # in the promoted dtype, so it keeps its own (finfo(fp32).min would round to -inf in bf16).
@@ -438,10 +462,10 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
             new = graph.call_function(torch.ops.transfuse.attention_train.default,
                                       (q, k, v, _additive(graph, mask), float(spec["scale"]), spec["is_causal"]))
         else:
-            new = graph.call_function(
-                torch.ops.transfuse.attention.default,
-                (q, k, v, mask, summary, float(spec["scale"]), spec["is_causal"], spec["masked_rows_zero"]),
-            )
+            args = (q, k, v, mask, summary, float(spec["scale"]), spec["is_causal"], spec["masked_rows_zero"])
+            if spec.get("sinks") is not None:
+                args += (None, _view(graph, spec["sinks"], "reshape", -1))  # no key_len; one sink per head
+            new = graph.call_function(torch.ops.transfuse.attention.default, args)
         new.meta["example_value"] = out.meta.get("example_value")
         if three_d:
             new = graph.call_method("squeeze", (new, 1))

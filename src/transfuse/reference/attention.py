@@ -24,6 +24,7 @@ def attention_ref(
     is_causal: bool,
     masked_rows_zero: bool,
     key_len: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q @ k^T + mask) @ v computed in fp32, returned in q.dtype, contiguous.
 
@@ -31,6 +32,8 @@ def attention_ref(
     fp32; causal is top-left aligned (query i sees keys j <= i). `masked_rows_zero` gives 0 for rows
     whose every score is -inf (SDPA's behaviour); otherwise such rows are NaN (plain softmax).
     `key_len`: only the first key_len keys exist (the rest is padding).
+    `sinks` (nheads,): one more logit per head, in the softmax but with no value (GPT-OSS's form:
+    concatenated to the scores, softmax, the last column dropped).
     """
     if key_len is not None:
         k, v = k[:, :, :key_len], v[:, :, :key_len]
@@ -52,6 +55,9 @@ def attention_ref(
     if is_causal:
         above = torch.ones(seqlen_q, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        return (torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ vf).to(q.dtype)
     probs = torch.softmax(scores, dim=-1)
     if masked_rows_zero:
         all_masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
