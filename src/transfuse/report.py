@@ -65,10 +65,11 @@ def node_flops(node: fx.Node) -> float:
             return 0.0
         return 2.0 * _numel(out) * _dims(a)[-1]
     if kind(node) == "sdpa" or target.startswith(("transfuse.attention.default", "transfuse.attention_train.default")):
-        q, k = tensor_meta(node.args[0]), tensor_meta(node.args[1])
-        if q is None or k is None:
+        q, k, v = (tensor_meta(node.args[i]) if i < len(node.args) else None for i in range(3))
+        if q is None or k is None or v is None:
             return 0.0
-        return 4.0 * _numel(q) * _dims(k)[-2]
+        # q @ k^T over q's head dim, then probs @ v over the keys into v's (DeepSeek: 192 and 128)
+        return 2.0 * _numel(q) / _dims(q)[-1] * _dims(k)[-2] * (_dims(q)[-1] + _dims(v)[-1])
     return 0.0
 
 

@@ -423,3 +423,26 @@ def test_sinks_must_be_one_per_head(device):
     q, k, v = qkv(1, 4, 2, 5, 5, 16, torch.float32, device)
     with pytest.raises(ValueError, match="one float per query head"):
         attention_fwd(q, k, v, None, None, 0.3, False, True, sinks=torch.zeros(2, device=device))
+
+
+# ---- value head dim other than the query/key head dim (DeepSeek's multi-head latent attention) --
+
+@pytest.mark.parametrize("head_dims", [(24, 16), (40, 64), (16, 80)], ids=lambda d: f"qk{d[0]}-v{d[1]}")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_value_head_dim_differs(head_dims, is_causal, device):
+    """q/k of one head dim, v of another (DeepSeek-V3: 192 and 128), GQA 4 -> 2, a padding mask
+    read through its summary, a padded key length, and sinks: each against the reference; the
+    output takes v's head dim and keeps the layout the next GEMM reads."""
+    d_qk, d_v = head_dims
+    q, k, _ = qkv(2, 4, 2, SQ, SK, d_qk, torch.float32, device)
+    v = torch.randn(2, 2, SK, d_v, device=device)
+    mask = _padding_bool(device)
+    summary = attention_mask_summary_fwd(mask, SQ, SK)
+    out = attention_fwd(q, k, v, mask, summary, 0.2, is_causal, True)
+    assert out.shape == (2, 4, SQ, d_v) and out.stride() == _expected_out_strides(out)
+    torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.2, is_causal, True), atol=1e-5, rtol=1e-5)
+    n = torch.tensor([100], dtype=torch.int32, device=device)
+    sinks = torch.randn(4, device=device)
+    out = attention_fwd(q, k, v, None, None, 0.2, is_causal, True, key_len=n, sinks=sinks)
+    ref = attention_ref(q, k, v, None, 0.2, is_causal, True, key_len=100, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

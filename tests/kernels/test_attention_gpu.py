@@ -223,3 +223,20 @@ def test_sinks_gpt_oss_geometry(is_causal, dtype):
     err = (out.float() - ref).abs().max().item()
     torch_err = (theirs.float() - ref).abs().max().item()
     assert err <= 2 * torch_err + ATOL[dtype], f"err {err:.3e} vs torch {torch_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_deepseek_latent_attention_head_dims(is_causal, dtype):
+    """DeepSeek-V3's attention: q and k of head dim 192, v of 128 (16 heads here): error against
+    fp32 no worse than twice SDPA's own in the dtype; the output takes v's head dim."""
+    q, k, _ = _qkv(2, 16, 16, 300, 300, 192, dtype)
+    v = torch.randn(2, 16, 300, 128, dtype=dtype, device="cuda")
+    scale = 192 ** -0.5
+    out = attention_fwd(q, k, v, None, None, scale, is_causal, True)
+    assert out.shape == (2, 16, 300, 128)
+    ref = attention_ref(q.float(), k.float(), v.float(), None, scale, is_causal, True)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (theirs.float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + ATOL[dtype], f"err {err:.3e} vs torch {torch_err:.3e}"

@@ -228,3 +228,23 @@ def test_gpt_oss_attention_with_sinks_matches_eager():
     ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
     assert rewrites.get("ManualAttention") == 2, (rewrites, [r.reason for r in rejections])
     assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5
+
+
+def test_deepseek_latent_attention_with_its_own_value_head_dim():
+    """DeepSeek-V3's multi-head latent attention: q and k of head dim 24 (16 + 8 rotary), v of 16;
+    both layers' SDPA rewritten, logits as eager's (left padding)."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
+    assert rewrites.get("TorchSDPA") == 2, (rewrites, [r.reason for r in rejections])
+    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5

@@ -1,11 +1,13 @@
 """Scaled dot-product attention, forward: FlashAttention-2 (Dao 2023, arXiv:2307.08691).
 
     q: (batch, nheads, seqlen_q, headdim)        any strides, last one 1
-    k, v: (batch, nheads_kv, seqlen_k, headdim)   nheads % nheads_kv == 0 (GQA/MQA: query head h
+    k: (batch, nheads_kv, seqlen_k, headdim)      nheads % nheads_kv == 0 (GQA/MQA: query head h
                                                   reads kv head h // (nheads // nheads_kv))
+    v: (batch, nheads_kv, seqlen_k, headdim_v)    headdim_v may differ from headdim (DeepSeek's
+                                                  multi-head latent attention: 192 and 128)
     mask: None, bool (True = attend) or additive float, broadcastable to (batch, nheads, seqlen_q, seqlen_k)
-    out: (batch, nheads, seqlen_q, headdim) laid out as a contiguous (batch, seqlen_q, nheads, headdim),
-         so that `out.transpose(1, 2).reshape(batch, seqlen_q, nheads * headdim)` is a free view.
+    out: (batch, nheads, seqlen_q, headdim_v) laid out as a contiguous (batch, seqlen_q, nheads, headdim_v),
+         so that `out.transpose(1, 2).reshape(batch, seqlen_q, nheads * headdim_v)` is a free view.
 
     sinks: None or (nheads,) float, one extra logit per query head (GPT-OSS's attention sinks)
     s = scale * q @ k^T (+ mask, or -inf where a bool mask is False; -inf above the diagonal if causal)
@@ -191,10 +193,11 @@ def _attention_fwd_inner(
     k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
     stride_k_seq, stride_v_seq, stride_mask_k,
     start_lo, end_hi,
-    offs_m, offs_n, row_ok, d_ok,
+    offs_m, offs_n, row_ok, d_ok, dv_ok,
     seqlen_k, num_summary_k, scale,
     BLOCK_N: tl.constexpr,
     PAD_D: tl.constexpr,
+    PAD_DV: tl.constexpr,
     CHECK_K_BOUNDS: tl.constexpr,
     APPLY_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -216,7 +219,8 @@ def _attention_fwd_inner(
     for start_n in range(start_lo, end_hi, BLOCK_N):
         cols = start_n + offs_n
         if CHECK_K_BOUNDS:
-            kv_ok = (cols < seqlen_k)[:, None]
+            in_seq = (cols < seqlen_k)[:, None]
+            kv_ok = in_seq
             if PAD_D:
                 kv_ok = kv_ok & d_ok[None, :]
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
@@ -264,9 +268,12 @@ def _attention_fwd_inner(
         acc = acc * alpha[:, None]
 
         if CHECK_K_BOUNDS:
-            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        elif PAD_D:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v_ok = in_seq
+            if PAD_DV:
+                v_ok = v_ok & dv_ok[None, :]
+            v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+        elif PAD_DV:
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
         if LOAD_AS_FP32:
@@ -300,9 +307,11 @@ def _attention_fwd_kernel(
     nheads, kv_group, seqlen_q, seqlen_k, num_summary_k, scale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -336,9 +345,12 @@ def _attention_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
     rows = offs_m.to(tl.int64)
 
     q_ptrs = (q_ptr + off_b.to(tl.int64) * stride_q_batch + off_h.to(tl.int64) * stride_q_head
@@ -386,7 +398,7 @@ def _attention_fwd_kernel(
     v_base = v_ptr + off_b.to(tl.int64) * stride_v_batch + off_h_kv.to(tl.int64) * stride_v_head
     cols = (lo + offs_n).to(tl.int64)
     k_ptrs = k_base + cols[:, None] * stride_k_seq + offs_d[None, :]
-    v_ptrs = v_base + cols[:, None] * stride_v_seq + offs_d[None, :]
+    v_ptrs = v_base + cols[:, None] * stride_v_seq + offs_dv[None, :]
     mask_ptrs = mask_ptr
     if HAS_MASK:
         mask_base = mask_ptr + off_b.to(tl.int64) * stride_mask_batch + off_h.to(tl.int64) * stride_mask_head
@@ -396,7 +408,7 @@ def _attention_fwd_kernel(
             mask_ptrs = mask_base + rows[:, None] * stride_mask_q + cols[None, :] * stride_mask_k
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     SUMMARY_ENTRIES_PER_BLOCK: tl.constexpr = BLOCK_N // SUMMARY_BLOCK_N if BLOCK_N > SUMMARY_BLOCK_N else 1
 
     clear = False
@@ -409,16 +421,16 @@ def _attention_fwd_kernel(
         acc, l_i, m_i = _attention_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
             stride_k_seq, stride_v_seq, stride_mask_k, lo, mid,
-            offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
-            BLOCK_N, PAD_D, False, False, False, MASK_IS_BOOL, MASK_BROADCAST_Q,
+            offs_m, offs_n, row_ok, d_ok, dv_ok, seqlen_k, num_summary_k, scale,
+            BLOCK_N, PAD_D, PAD_DV, False, False, False, MASK_IS_BOOL, MASK_BROADCAST_Q,
             False, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
         )
     else:
         acc, l_i, m_i = _attention_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
             stride_k_seq, stride_v_seq, stride_mask_k, lo, mid,
-            offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
-            BLOCK_N, PAD_D, False, False, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
+            offs_m, offs_n, row_ok, d_ok, dv_ok, seqlen_k, num_summary_k, scale,
+            BLOCK_N, PAD_D, PAD_DV, False, False, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
             HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
         )
     # The sequence end and the diagonal: at most a couple of blocks, with per-element tests.
@@ -430,8 +442,8 @@ def _attention_fwd_kernel(
     acc, l_i, m_i = _attention_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, summary_row_ptr,
         stride_k_seq, stride_v_seq, stride_mask_k, mid, hi,
-        offs_m, offs_n, row_ok, d_ok, seqlen_k, num_summary_k, scale,
-        BLOCK_N, PAD_D, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
+        offs_m, offs_n, row_ok, d_ok, dv_ok, seqlen_k, num_summary_k, scale,
+        BLOCK_N, PAD_D, PAD_DV, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_BROADCAST_Q,
         HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
     )
 
@@ -448,16 +460,16 @@ def _attention_fwd_kernel(
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (1.0 / l_i)[:, None]
     out_ptrs = (out_ptr + off_b.to(tl.int64) * stride_out_batch + off_h.to(tl.int64) * stride_out_head
-                + rows[:, None] * stride_out_seq + offs_d[None, :])
-    if PAD_D:
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                + rows[:, None] * stride_out_seq + offs_dv[None, :])
+    if PAD_DV:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 _attention_fwd_kernel_autotuned = triton.autotune(
     configs=_attention_fwd_configs(),
-    key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "MASK_IS_BOOL",
+    key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "HAS_MASK", "MASK_IS_BOOL",
          "MASK_BROADCAST_Q", "HAS_SUMMARY"],
     prune_configs_by={"early_config_prune": _keep_config},
 )(_attention_fwd_kernel)
@@ -604,10 +616,10 @@ def attention_mask_summary_fwd(mask: torch.Tensor, seqlen_q: int, seqlen_k: int)
     return summary
 
 
-def attention_empty_out(q: torch.Tensor) -> torch.Tensor:
-    """(batch, nheads, seqlen_q, headdim) with the memory of a contiguous (batch, seqlen_q, nheads, headdim)."""
-    batch, nheads, seqlen_q, head_dim = q.shape
-    return q.new_empty((batch, seqlen_q, nheads, head_dim)).transpose(1, 2)
+def attention_empty_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(batch, nheads, seqlen_q, headdim_v) with the memory of a contiguous (batch, seqlen_q, nheads, headdim_v)."""
+    batch, nheads, seqlen_q, _ = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])).transpose(1, 2)
 
 
 def attention_fwd(
@@ -633,12 +645,13 @@ def attention_fwd(
         raise ValueError("attention expects q, k, v of shape (batch, nheads, seqlen, headdim)")
     batch, nheads, seqlen_q, head_dim = q.shape
     batch_k, nheads_kv, seqlen_k, head_dim_k = k.shape
-    if batch_k != batch or tuple(v.shape) != tuple(k.shape) or head_dim_k != head_dim:
+    head_dim_v = v.shape[-1]
+    if batch_k != batch or tuple(v.shape[:-1]) != tuple(k.shape[:-1]) or head_dim_k != head_dim:
         raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"attention supports head dims 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if not (0 < head_dim <= MAX_HEAD_DIM and 0 < head_dim_v <= MAX_HEAD_DIM):
+        raise ValueError(f"attention supports head dims 1 to {MAX_HEAD_DIM}, got {head_dim} (values {head_dim_v})")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"attention supports {_DTYPES} with one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask_summary is not None and mask is None:
@@ -652,7 +665,7 @@ def attention_fwd(
         if t is not None and t.device != q.device:
             raise ValueError(f"attention: {name} is on {t.device}, q on {q.device}")
 
-    out = attention_empty_out(q)
+    out = attention_empty_out(q, v)
     if out.numel() == 0:
         return out
     if seqlen_k == 0:
@@ -692,6 +705,7 @@ def attention_fwd(
         summary_arg = q  # never read
 
     block_d = max(16, next_power_of_2(head_dim))
+    block_dv = max(16, next_power_of_2(head_dim_v))
     # Autotune keys: powers of two in [16, 16384] (never 1, which Triton would specialise on).
     bucket_q = min(max(next_power_of_2(seqlen_q), 16), 16384)
     bucket_k = min(max(next_power_of_2(seqlen_k), 16), 16384)
@@ -709,9 +723,11 @@ def attention_fwd(
     )
     flags = dict(
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         HAS_KEY_LEN=key_len is not None,
         HAS_SINKS=sinks is not None,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         IS_CAUSAL=bool(is_causal),
         HAS_MASK=has_mask,
         MASK_IS_BOOL=has_mask and mask.dtype == torch.bool,
@@ -730,7 +746,7 @@ def attention_fwd(
         _attention_fwd_kernel_autotuned[grid](*args, **flags)
     else:
         block_m, block_n, warps, stages = _attention_fwd_heuristic(
-            block_d, q.dtype, has_mask, seqlen_q, seqlen_k, batch * nheads, q.device)
+            max(block_d, block_dv), q.dtype, has_mask, seqlen_q, seqlen_k, batch * nheads, q.device)
         grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads,)
         _attention_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                     num_warps=warps, num_stages=stages)

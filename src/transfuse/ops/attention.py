@@ -6,8 +6,8 @@ graphs use torch.ops.transfuse.attention_train, ops/attention_train.py).
     attention_mask_summary(Tensor mask, int seqlen_q, int seqlen_k) -> Tensor
 
 Shapes, mask forms and the numerics of fully masked rows are documented in
-transfuse.kernels.attention. The output of `attention` is (batch, nheads, seqlen_q, headdim) with the
-memory of a contiguous (batch, seqlen_q, nheads, headdim); the fake implementation returns the same
+transfuse.kernels.attention. The output of `attention` is (batch, nheads, seqlen_q, headdim_v) with the
+memory of a contiguous (batch, seqlen_q, nheads, headdim_v); the fake implementation returns the same
 strides. The summary is computed once per forward and shared by every layer that uses the same mask.
 `key_len` (one int32 on the device) ends the keys early: the runtime pads batches to a bucket and
 the padded keys must not be attended to, whatever the mask says. `sinks` (one float per query head)
@@ -42,7 +42,7 @@ def attention(
 
 @attention.register_fake
 def _attention_fake(q, k, v, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len=None, sinks=None):
-    return attention_empty_out(q)
+    return attention_empty_out(q, v)
 
 
 @torch.library.custom_op("transfuse::attention_mask_summary", mutates_args=())

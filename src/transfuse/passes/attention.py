@@ -80,6 +80,10 @@ def run(ctx: PassContext) -> None:
         if spec.get("sinks") is not None and ctx.training:
             ctx.reject(pattern, node, "attention sinks in a training graph (the training kernel has none)")
             continue
+        if ctx.training and tensor_meta(spec["v"]).shape[-1] != tensor_meta(spec["q"]).shape[-1]:
+            ctx.reject(pattern, node, "a value head dim other than the query's in a training graph "
+                                      "(the training kernel has one head dim)")
+            continue
         if spec.get("dropout_p", 0.0) and not ctx.training:
             ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
             continue
@@ -350,10 +354,13 @@ def _check_operands(spec: dict) -> None:
     # and none may add a guard (same_size), or Dynamo would recompile for the sizes it excluded.
     if not isinstance(q.shape[-1], int):
         raise Reject("the head dimension is dynamic")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise Reject(f"head dim {q.shape[-1]} is above the kernels' {MAX_HEAD_DIM}")
-    if not (same_size(q.shape[-1], k_shape[-1]) and same_size(v.shape[-1], q.shape[-1])):
-        raise Reject(f"head dims differ (q {q.shape[-1]}, k {k_shape[-1]}, v {v.shape[-1]})")
+    if not isinstance(v.shape[-1], int):
+        raise Reject("the value head dimension is dynamic")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise Reject(f"head dim {max(q.shape[-1], v.shape[-1])} is above the kernels' {MAX_HEAD_DIM}")
+    # v may have a head dim of its own (DeepSeek's latent attention: 192 for q and k, 128 for v)
+    if not same_size(q.shape[-1], k_shape[-1]):
+        raise Reject(f"query and key head dims differ (q {q.shape[-1]}, k {k_shape[-1]})")
     if not _runtime_checked_equal(k_shape[-2], v.shape[-2]):
         raise Reject("key and value lengths differ")
     if not (_runtime_checked_equal(q.shape[0], k_shape[0]) and _runtime_checked_equal(q.shape[0], v.shape[0])):
