@@ -21,7 +21,7 @@ from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
-from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool
+from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool, first_line
 from transfuse.runtime.instances import Instances, pristine_copy
 from transfuse.runtime.training_graphs import TrainingGraphs
 from transfuse.runtime.weights import MergedWeights
@@ -207,7 +207,7 @@ def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], opti
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo's own control flow (it traces the frame again)
     except Exception as e:  # an op AOTAutograd cannot trace: today's eager path still runs it
-        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        reason = first_line(e)
         log.warning("transfuse: AOTAutograd could not trace a training graph (%s); it runs under eager autograd", reason)
         return gm, f"eager autograd through the graph's ops (AOTAutograd failed: {reason})"
     return runner, runner.describe()

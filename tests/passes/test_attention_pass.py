@@ -45,6 +45,14 @@ class HandWritten(torch.nn.Module):
             q3, k3, v3 = (z.reshape(b * self.heads, t, self.dim) for z in (q, k, v))
             att = torch.bmm(q3, k3.transpose(1, 2)) * 0.3
             y = torch.bmm(torch.softmax(att, dim=-1), v3).view(b, self.heads, t, self.dim)
+        elif v_ == "bmm_views_floor":  # XGLM/FSMT: 3-D bmm viewed to 4-D for the mask, floored at finfo.min
+            q3, k3, v3 = (z.reshape(b * self.heads, t, self.dim) for z in (q, k, v))
+            att = torch.bmm(q3 * self.dim**-0.5, k3.transpose(1, 2))
+            att = att.view(b, self.heads, t, t) + mask
+            att = torch.max(att, torch.full((), torch.finfo(att.dtype).min))
+            att = torch.softmax(att.view(b * self.heads, t, t), dim=-1)
+            att = att.view(b, self.heads, t, t).view(b * self.heads, t, t)
+            y = torch.bmm(F.dropout(att, p=0.0, training=False), v3).view(b, self.heads, t, self.dim)
         elif v_ == "sdpa_gqa":
             y = F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], attn_mask=mask, enable_gqa=True)
         elif v_ == "sdpa_causal":
@@ -64,6 +72,10 @@ CASES = {
     "scaled_q": (None, "ManualAttention", 1),
     "where": (lambda b, t: torch.rand(b, 1, t, t) > 0.2, "ManualAttention", 1),
     "bmm3d": (None, "ManualAttention", 1),
+    # -inf and finfo.min entries, a fully masked row: the floor makes every masked key weigh the same
+    "bmm_views_floor": (lambda b, t: torch.where(torch.rand(b, 1, t, t) > 0.3, 0.0, float("-inf")).index_fill_(
+        2, torch.tensor([4]), float("-inf")).index_fill_(3, torch.tensor([1]), torch.finfo(torch.float32).min),
+        "ManualAttention", 1),
     "sdpa_gqa": (lambda b, t: torch.rand(1, 1, t, t) > 0.4, "TorchSDPA", 1),
     "sdpa_causal": (None, "TorchSDPA", 1),
     "fill_zero": (lambda b, t: torch.rand(b, 1, t, t) > 0.5, "ManualAttention", 0),
@@ -208,6 +220,16 @@ def test_attention_with_sinks(variant, matches):
     assert rel_err(out, ref) < 1e-5
 
 
+def _rewritten_like_eager(model, pattern: str, matches: int) -> None:
+    """A causal LM's logits through optimize() equal eager's on a left-padded batch of two, with
+    `matches` rewrites of `pattern`."""
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
+    assert rewrites.get(pattern) == matches, (rewrites, [r.reason for r in rejections])
+    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5
+
 def test_gpt_oss_attention_with_sinks_matches_eager():
     """Hugging Face's GPT-OSS (eager attention with sinks, a sliding and a full layer, MoE): every
     attention rewritten, logits as eager's."""
@@ -222,12 +244,7 @@ def test_gpt_oss_attention_with_sinks_matches_eager():
     with torch.no_grad():
         model.model.layers[0].self_attn.sinks.normal_(0, 2)
         model.model.layers[1].self_attn.sinks.normal_(0, 2)
-    ids = torch.randint(3, 97, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
-    assert rewrites.get("ManualAttention") == 2, (rewrites, [r.reason for r in rejections])
-    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5
+    _rewritten_like_eager(model, "ManualAttention", 2)
 
 
 def test_deepseek_latent_attention_with_its_own_value_head_dim():
@@ -242,9 +259,16 @@ def test_deepseek_latent_attention_with_its_own_value_head_dim():
         qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, vocab_size=97)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    ids = torch.randint(3, 97, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    ref, out, rewrites, rejections = eager_then_optimized(model, input_ids=ids, attention_mask=mask)
-    assert rewrites.get("TorchSDPA") == 2, (rewrites, [r.reason for r in rejections])
-    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) < 1e-5
+    _rewritten_like_eager(model, "TorchSDPA", 2)
+
+
+def test_xglm_attention_viewed_to_heads_matches_eager():
+    """Hugging Face's XGLM: 3-D bmm attention viewed to (batch, heads, ...) for its mask and floored
+    at finfo.min; both layers rewritten, logits as eager's (left padding)."""
+    import transformers
+
+    config = transformers.XGLMConfig(d_model=64, num_layers=2, attention_heads=4, ffn_dim=96,
+                                     max_position_embeddings=64, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(config).eval()
+    _rewritten_like_eager(model, "ManualAttention", 2)

@@ -11,8 +11,9 @@ Two source idioms:
   whatever its value or spelling), additive masks of any broadcastable shape, a boolean mask applied
   with `masked_fill(-inf)` or `torch.where`, dtype casts around the softmax; no literal constant
   is ever compared against. Also with sinks (GPT-OSS: one logit per head concatenated to the scores,
-  its column dropped after the softmax; passes/attention_sinks.py) and with the row maximum
-  subtracted before the softmax.
+  its column dropped after the softmax; passes/attention_sinks.py), with the row maximum
+  subtracted before the softmax, and with 3-D scores viewed to (batch, heads, ...) for a 4-D mask
+  and clamped at finfo.min (XGLM, FSMT; passes/attention_views.py).
 
 A mask shared by several layers gets one block summary (`attention_mask_summary`) per forward,
 inserted once next to the mask and reused by every attention that reads it.
@@ -31,6 +32,7 @@ from transfuse.kernels.attention import MAX_HEAD_DIM
 from transfuse.ops.attention import mask_summary_for
 from transfuse.passes import causal_mask
 from transfuse.passes.attention_sinks import drops_last_column, row_max, sink_column
+from transfuse.passes.attention_views import floor_clamp, heads_view
 
 from transfuse.passes.graph import (
     arg,
@@ -206,7 +208,7 @@ def _leads_to_scores(node, depth: int = 12) -> bool:
         k = kind(node)
         if k == "matmul":
             return True
-        if k not in ("to", "mul", "div", "add", "sub", "masked_fill", "where"):
+        if k not in ("to", "mul", "div", "add", "sub", "masked_fill", "where", "view", "reshape"):
             return False
         nxt = [a for a in node.args if isinstance(a, fx.Node) and is_tensor(a)]
         if k == "where":
@@ -229,8 +231,11 @@ def _match_manual(softmax: fx.Node) -> dict:
     dropout_p = 0.0
     drop_last = False  # the sink's column dropped from the probabilities
     while (user := single_user(cur)) is not None and (
-            kind(user) == "to" or (kind(user) == "dropout" and not dropout_p) or (not drop_last and drops_last_column(user))):
-        if drops_last_column(user):
+            kind(user) == "to" or (kind(user) == "dropout" and not dropout_p) or (not drop_last and drops_last_column(user))
+            or heads_view(user) is not None):
+        if heads_view(user) is not None:
+            pass  # a view that splits or merges batch and heads: checked by the shape below
+        elif drops_last_column(user):
             drop_last = True
         elif kind(user) == "dropout":  # only p > 0 in training mode is left by the dropout pass
             dropout_p = scalar(arg(user, 1, "p", 0.5))
@@ -241,6 +246,8 @@ def _match_manual(softmax: fx.Node) -> dict:
     pv = single_user(cur)
     if pv is None or kind(pv) != "matmul" or pv.args[0] is not cur:
         raise Reject("softmax output is not (only) multiplied by a value tensor")
+    if not drop_last and not same_shape(shape(cur), scores_shape):
+        raise Reject("the probabilities are viewed to another shape before the value product")
     v = pv.args[1]
 
     # Backward from the softmax input: casts, scalar scales, masks, down to `q @ k^T`.
@@ -248,6 +255,8 @@ def _match_manual(softmax: fx.Node) -> dict:
     masks: list = []
     bool_masks: list = []
     sinks = None
+    floor = None  # a clamp of the scores at finfo.min
+    heads_shape = None  # (B, H, T, S) of a view that splits 3-D scores into batch and heads
     row_maxima: set = set()  # the row maximum subtracted from a node also reads that node
     x = arg(softmax, 0, "input")
     while True:
@@ -261,6 +270,15 @@ def _match_manual(softmax: fx.Node) -> dict:
             if not drop_last or sinks is not None:
                 raise Reject("a column concatenated to the scores that the softmax output keeps")
             x, sinks = column
+            continue
+        if (view := heads_view(x)) is not None:
+            x, four = view
+            heads_shape = four if four is not None else heads_shape
+            continue
+        if (clamp := floor_clamp(x)) is not None:
+            if floor is not None:
+                raise Reject("the scores are clamped twice")
+            x, floor = clamp
             continue
         if k == "matmul":
             qk = x
@@ -325,9 +343,12 @@ def _match_manual(softmax: fx.Node) -> dict:
         raise Reject("more than one boolean mask")
     if drop_last and sinks is None:
         raise Reject("the softmax output loses its last column, which no sink column made")
+    if floor is not None and bool_masks:
+        raise Reject("a floor clamp of the scores with a boolean mask")
     return dict(
         out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
-        is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p, sinks=sinks,
+        is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p, sinks=sinks, floor=floor,
+        heads_shape=heads_shape if len(scores_shape) == 3 else None,
         # Under autocast both matmuls run in its dtype whatever q, k and v hold (CodeGen upcasts q and
         # k to fp32 first): the op gets them cast. A mask is added to the scores outside the matmuls,
         # in the promoted dtype, so it keeps its own (finfo(fp32).min would round to -inf in bf16).
@@ -373,13 +394,18 @@ def _check_operands(spec: dict) -> None:
             raise Reject(f"{hq} query heads cannot share {hk} key/value heads")
         if spec["k_transposed"] and hq != hk:
             raise Reject("broadcast over heads in a hand-written matmul")
+    four = spec.get("heads_shape")  # 3-D scores that the model viewed as (B, H, T, S)
+    rank = 4 if four is not None else q.dim()
     for m in spec["masks"] + [b for _, b in spec["bool_masks"]]:
         mt = tensor_meta(m)
         if mt is None:
             raise Reject("mask is not a tensor")
-        if mt.dim() > q.dim():
+        if mt.dim() > rank:
             raise Reject(f"mask has {mt.dim()} dims for {q.dim()}-D scores")
-        scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
+        if four is not None:
+            scores = (four[0], four[1], q.shape[-2], k_shape[-2])
+        else:
+            scores = (q.shape[0],) + ((q.shape[1],) if q.dim() == 4 else ()) + (q.shape[-2], k_shape[-2])
         # Right-aligned, each mask dim is 1 (broadcast) or provably the scores' own size.
         for m_dim, s_dim in zip(reversed(tuple(mt.shape)), reversed(scores)):
             if not (isinstance(m_dim, int) and m_dim == 1) and not _runtime_checked_equal(m_dim, s_dim):
@@ -440,9 +466,13 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
     out: fx.Node = spec["out"]
     q_meta = tensor_meta(spec["q"])
     three_d = q_meta.dim() == 3
+    split = three_d and spec.get("heads_shape") is not None
     with graph.inserting_before(out):
         q, k, v = spec["q"], _keys(graph, spec), spec["v"]
-        if three_d:  # (batch*heads, seq, dim) -> (batch*heads, 1, seq, dim)
+        if split:  # (batch*heads, seq, dim) -> (batch, heads, seq, dim), as the model viewed its scores
+            heads = int(spec["heads_shape"][1])
+            q, k, v = (_view(graph, t, "unflatten", 0, (-1, heads)) for t in (q, k, v))
+        elif three_d:  # (batch*heads, seq, dim) -> (batch*heads, 1, seq, dim)
             q, k, v = (_view(graph, t, "unsqueeze", 1) for t in (q, k, v))
         else:
             # K/V heads repeated for grouped-query attention: the kernel reads each KV head once
@@ -453,8 +483,10 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
                 k, v = k_heads, v_heads
                 ctx.matched("GroupedKV")
         mask = _combined_mask(graph, spec)
-        if mask is not None and three_d and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
+        if mask is not None and three_d and not split and tensor_meta(mask) is not None and tensor_meta(mask).dim() == 3:
             mask = _view(graph, mask, "unsqueeze", 1)
+        if mask is not None and spec.get("floor") is not None:
+            mask = _view(graph, mask, "clamp_min", spec["floor"])  # the scores' floor, on the mask
     summary = None
     if mask is not None and summarise and not ctx.training:
         summary = _mask_summary(graph, spec, q, mask, q_meta.shape[-2], tensor_meta(spec["v"]).shape[-2], summaries)
@@ -473,9 +505,12 @@ def _replace(ctx: PassContext, spec: dict, summaries: dict, summarise: bool = Tr
             if spec.get("sinks") is not None:
                 args += (None, _view(graph, spec["sinks"], "reshape", -1))  # no key_len; one sink per head
             new = graph.call_function(torch.ops.transfuse.attention.default, args)
-        new.meta["example_value"] = out.meta.get("example_value")
+        if split:  # the op's own (batch, heads, seq, dim_v); the model's 3-D output is its flatten
+            new.meta["example_value"] = tensor_meta(out).unflatten(0, (-1, int(spec["heads_shape"][1])))
+        else:
+            new.meta["example_value"] = out.meta.get("example_value")
         if three_d:
-            new = graph.call_method("squeeze", (new, 1))
+            new = graph.call_method("flatten" if split else "squeeze", (new, 0, 1) if split else (new, 1))
             new.meta["example_value"] = out.meta.get("example_value")
     out.replace_all_uses_with(new)
     graph.erase_node(out)

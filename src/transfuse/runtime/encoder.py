@@ -19,6 +19,8 @@ import logging
 
 import torch
 
+from transfuse.runtime.cuda_graphs import first_line
+
 log = logging.getLogger("transfuse")
 _PREPARE = "_prepare_encoder_decoder_kwargs_for_generation"
 
@@ -57,8 +59,7 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
         try:
             prepared = prepare(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the encoder as written still gives the right answer
-            state.encoder_failure = (f"its compiled run failed: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+            state.encoder_failure = f"its compiled run failed: {first_line(e, limit=160)}"
             log.warning("transfuse: generate()'s encoder runs as written from now on: %s", state.encoder_failure)
         else:
             pieces = len(_records(call))

@@ -24,6 +24,7 @@ import types
 
 import torch
 
+from transfuse.runtime.cuda_graphs import first_line
 from transfuse.runtime.decode_loop import DecodeLoop
 from transfuse.runtime.generation_check import cached_generation_check
 from transfuse.runtime.generation_config_memo import GenerationConfigMemo
@@ -122,8 +123,7 @@ class StaticCacheReuse:
                 part = getattr(cache, "self_attention_cache", cache)
                 self.probed = _layer_shapes(part) or ()
             except Exception as e:  # noqa: BLE001 - the model's own error: it keeps Hugging Face's default cache
-                first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-                self.probed = f"its forward fails with a static cache ({type(e).__name__}: {first})"
+                self.probed = f"its forward fails with a static cache ({first_line(e, limit=160)})"
         return self.probed if isinstance(self.probed, str) else None
 
     def kv_shape(self):
