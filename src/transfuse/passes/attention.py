@@ -89,7 +89,9 @@ def run(ctx: PassContext) -> None:
         if spec.get("dropout_p", 0.0) and not ctx.training:
             ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
             continue
-        if causal_mask.causal_buffer(ctx, spec):
+        if spec.get("floor") is not None:
+            pass  # a floored mask keeps its form: as a causal flag or a bool key mask its fully masked rows would be NaN
+        elif causal_mask.causal_buffer(ctx, spec):
             spec.update(is_causal=True, bool_masks=[])
             ctx.matched("CausalMaskBuffer")
         elif causal_mask.causal_from_shapes(ctx, spec):
