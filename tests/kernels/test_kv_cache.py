@@ -31,9 +31,29 @@ def test_kv_cache_write_matches_index_copy(device, dtype, n, start):
     assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n,start", [(1, 17), (7, 5)])
+def test_kv_cache_write_values_with_their_own_head_dim(device, n, start):
+    """DeepSeek's latent attention caches keys of one head dim (24 here, 192 in the model) and values
+    of another (40; 128): each written with its own, as index_copy_ writes them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 3, 40, 24, device=device), torch.randn(2, 3, 40, 40, device=device)
+    k, v = torch.randn(2, 3, n, 24, device=device), torch.randn(2, n, 3, 40, device=device).transpose(1, 2)
+    at = torch.tensor(start, device=device)
+    ref_keys, ref_values = keys.clone(), values.clone()
+    kv_cache_write_ref(ref_keys, ref_values, k, v, at)
+    torch.ops.transfuse.kv_cache_write(keys, values, k, v, at)
+    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+    torch.library.opcheck(torch.ops.transfuse.kv_cache_write.default, (keys, values, k, v, at))
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        kv_cache_write_fwd(keys, values, k, v[..., :24], at)
+
+
 def test_kv_cache_write_rejects_bad_input_and_opcheck():
     keys, values, k, v, at = _case("cpu", torch.float32, 2, 3)
-    with pytest.raises(ValueError, match="does not fit the cache"):
+    with pytest.raises(ValueError, match="do not fit the cache"):
         kv_cache_write_fwd(keys, values, k[:, :2], v[:, :2], at)
     with pytest.raises(ValueError, match="one integer"):
         kv_cache_write_fwd(keys, values, k, v, torch.tensor(3.0))

@@ -299,3 +299,31 @@ def test_encoder_decoder_new_cache_after_a_dtype_change():
     assert all(layer.keys.dtype == torch.bfloat16 for (batch, *_), (cache, _) in caches.items() if batch == 3
                for part in (cache.self_attention_cache, cache.cross_attention_cache) for layer in part.layers)
     assert torch.equal(out, expected)
+
+
+def test_latent_attention_cache_keeps_two_head_dims():
+    """DeepSeek-V3's latent attention caches keys (head dim 24 here, 192 in the model) and values (16;
+    128) of different head dims: generate()'s default static cache is written by the fused cache
+    write and read by transfuse's attention in the prompt and the decode graph, and the tokens are
+    eager's (left padding). One dense layer: the cache, not the experts, is under test."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, max_position_embeddings=64, vocab_size=97, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    ids = torch.randint(3, 97, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    rewrites = {}
+    for record in model._transfuse_state.backend.records:
+        for name, count in record.rewrites.items():
+            rewrites[name] = rewrites.get(name, 0) + count
+    assert rewrites.get("KVCacheWrite") == 2 and rewrites.get("TorchSDPA") == 2, rewrites

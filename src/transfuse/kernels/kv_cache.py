@@ -59,10 +59,10 @@ def _kv_cache_write_kernel(
     k_blocks, n_rows, H, n, L,
     stride_keys_b, stride_keys_h, stride_keys_s, stride_values_b, stride_values_h, stride_values_s,
     stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
-    """The first k_blocks programs write keys, the rest values."""
+    """The first k_blocks programs write keys (head dim D), the rest values (head dim DV)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     start = tl.load(start_ptr).to(tl.int64)
@@ -72,7 +72,7 @@ def _kv_cache_write_kernel(
     else:
         _write_rows(values_ptr, v_ptr, start, pid - k_blocks, n_rows, H, n, L,
                     stride_values_b, stride_values_h, stride_values_s, stride_v_b, stride_v_h, stride_v_s,
-                    D, BLOCK_D, BLOCK_R)
+                    DV, BLOCK_DV, BLOCK_R)
 
 
 @triton.jit
@@ -126,11 +126,13 @@ def check_kv_cache_write_args(keys, values, k, v, start) -> None:
     for name, t in (("keys", keys), ("values", values), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"kv_cache_write: {name} must be (batch, heads, seq, head_dim), got {tuple(t.shape)}")
-    if keys.shape != values.shape or k.shape != v.shape:
+    # values may have a head dim of their own (DeepSeek's latent attention: keys 192, values 128)
+    if keys.shape[:3] != values.shape[:3] or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"kv_cache_write: keys {tuple(keys.shape)} / values {tuple(values.shape)} and k {tuple(k.shape)} "
-                         f"/ v {tuple(v.shape)} must match pairwise")
-    if k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3]:
-        raise ValueError(f"kv_cache_write: k {tuple(k.shape)} does not fit the cache {tuple(keys.shape)}")
+                         f"/ v {tuple(v.shape)} must match pairwise but for the head dim")
+    if k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3] or v.shape[3] != values.shape[3]:
+        raise ValueError(f"kv_cache_write: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the cache "
+                         f"{tuple(keys.shape)} / {tuple(values.shape)}")
     if start.numel() != 1 or start.dtype.is_floating_point or start.device != keys.device:
         raise ValueError(f"kv_cache_write: start must be one integer on {keys.device}, got {start.dtype} {tuple(start.shape)}")
 
@@ -146,21 +148,24 @@ def kv_cache_write_fwd(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor
     v = v if v.stride(-1) == 1 else v.contiguous()
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("kv_cache_write: the cache needs a unit stride along head_dim")
-    block_d = max(16, next_power_of_2(D))
-    block_r = max(1, min(64, _ELEMENTS_PER_PROGRAM // block_d))
+    DV = v.shape[3]
+    block_d, block_dv = max(16, next_power_of_2(D)), max(16, next_power_of_2(DV))
+    block_r = max(1, min(64, _ELEMENTS_PER_PROGRAM // max(block_d, block_dv)))
     k_blocks = triton.cdiv(n_rows, block_r)
     _kv_cache_write_kernel[(2 * k_blocks,)](
         keys, values, k, v, start.reshape(1),
         k_blocks, n_rows, H, n, keys.shape[2],
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        D=D, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4, **pdl(keys),
+        D=D, BLOCK_D=block_d, DV=DV, BLOCK_DV=block_dv, BLOCK_R=block_r, num_warps=4, **pdl(keys),
     )
 
 
 def check_rotary_kv_cache_write_args(keys, values, q, k, v, cos, sin, start) -> None:
     check_rotary_pair_args(q, k, cos, sin)
     check_kv_cache_write_args(keys, values, k, v, start)
+    if v.shape[3] != k.shape[3]:
+        raise ValueError(f"rotary_kv_cache_write: one head dim for keys and values, got {k.shape[3]} and {v.shape[3]}")
     if keys.dtype != k.dtype:  # one rounding, to k's dtype, as rotary_pair + kv_cache_write round
         raise ValueError(f"rotary_kv_cache_write: keys are {keys.dtype}, k is {k.dtype}; they must match")
     if keys.stride(-1) != 1 or values.stride(-1) != 1:

@@ -75,7 +75,9 @@ def run(ctx: PassContext) -> None:
         if start is None:
             continue
         km, vm, cm, wm = (tensor_meta(t) for t in (k, v, keys, values))
-        if km.shape != vm.shape or cm.shape != wm.shape or km.dtype != cm.dtype or vm.dtype != wm.dtype:
+        # values may have a head dim of their own (DeepSeek's latent attention): the kernel writes each with its own
+        if (km.shape[:3] != vm.shape[:3] or cm.shape[:3] != wm.shape[:3] or km.shape[3] != cm.shape[3]
+                or vm.shape[3] != wm.shape[3] or km.dtype != cm.dtype or vm.dtype != wm.dtype):
             ctx.reject(PATTERN, nodes[0], "keys and values differ in shape or dtype from the cache")
             continue
         if max(order[k], order[v], order[keys], order[values]) > order[position]:
@@ -137,6 +139,9 @@ def _fuse_rotary(ctx: PassContext) -> None:
             continue
         if max(order[keys], order[values], order[v], order[start]) > order[pair]:
             ctx.reject(FUSED, write, "the cache, the new values or the position are computed after the rotation")
+            continue
+        if tensor_meta(v).shape[-1] != tensor_meta(k_rot).shape[-1]:
+            ctx.reject(FUSED, write, "values have a head dim other than the keys' (the fused write has one)")
             continue
         clash = _clash(graph, pair, write, (keys, values), start)
         if clash is not None:
