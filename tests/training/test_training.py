@@ -432,3 +432,30 @@ def test_causal_mask_buffer_is_read_however_dynamo_spells_the_comparison(monkeyp
     assert len(spelled) == 2
     assert _rewrites(model)["CausalMaskBuffer"] == 2, _rewrites(model)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_dropout_on_probabilities_viewed_to_heads_is_left_as_written():
+    """XGLM in training with dropout on its attention probabilities: its 3-D scores are viewed to
+    (batch, heads, ...) and floored, which the SDPA that dropout attention becomes would not read, so
+    the attention stays as written (with the reason) and the loss and gradients are eager's under
+    one seed."""
+    config = transformers.XGLMConfig(d_model=32, num_layers=1, attention_heads=2, ffn_dim=48,
+                                     max_position_embeddings=32, vocab_size=97, attention_dropout=0.3, dropout=0.0,
+                                     activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (2, 9))
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(7)
+        losses.append(_step(m, ids, ids)[1].item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # the key bias's gradient is zero but for rounding (softmax ignores a shift of a row): measured
+    # against the largest gradient, not its own
+    scale = max(r.grad.norm().item() for r in reference.parameters() if r.grad is not None)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert (p.grad - r.grad).norm().item() < 1e-5 * scale
+    reasons = [r.reason for record in model._transfuse_state.backend.records for r in record.rejections]
+    assert "ManualAttention" not in _rewrites(model) and any("viewed to heads or floored" in r for r in reasons)

@@ -86,6 +86,10 @@ def run(ctx: PassContext) -> None:
             ctx.reject(pattern, node, "a value head dim other than the query's in a training graph "
                                       "(the training kernel has one head dim)")
             continue
+        if spec.get("dropout_p", 0.0) and (spec.get("heads_shape") is not None or spec.get("floor") is not None):
+            ctx.reject(pattern, node, "dropout on probabilities viewed to heads or floored (the SDPA it would become "
+                                      "reads neither)")
+            continue
         if spec.get("dropout_p", 0.0) and not ctx.training:
             ctx.reject(pattern, node, f"dropout p={spec['dropout_p']} on the probabilities (model.train() without gradients)")
             continue
