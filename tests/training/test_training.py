@@ -215,6 +215,17 @@ def test_gradient_checkpointing_equals_eager():
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+def _optimized_and_reference_losses(model, reference, ids) -> list:
+    """optimize(model), then one training step of each from the same seed (the same dropout draws
+    wherever both draw alike); the two losses, asserted equal."""
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(7)
+        losses.append(_step(m, ids, ids)[1].item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    return losses
+
 def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
     """GPT-2's attn_pdrop in training: the hand-written attention with dropout on its probabilities
     becomes F.scaled_dot_product_attention(dropout_p=p). On the CPU SDPA's math path draws the same
@@ -227,12 +238,7 @@ def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
     ids = torch.randint(0, 97, (2, 13))
-    transfuse.optimize(model)
-    losses = []
-    for m in (model, reference):
-        torch.manual_seed(7)
-        losses.append(_step(m, ids, ids)[1].item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    losses = _optimized_and_reference_losses(model, reference, ids)
     torch.manual_seed(8)
     assert _step(model, ids, ids)[1].item() != pytest.approx(losses[0], rel=1e-6)  # dropout is on
     assert _rewrites(model)["AttentionDropoutToSDPA"] == 2
@@ -446,12 +452,7 @@ def test_attention_dropout_on_probabilities_viewed_to_heads_is_left_as_written()
     model = transformers.XGLMForCausalLM(config).train()
     reference = copy.deepcopy(model)
     ids = torch.randint(3, 97, (2, 9))
-    transfuse.optimize(model)
-    losses = []
-    for m in (model, reference):
-        torch.manual_seed(7)
-        losses.append(_step(m, ids, ids)[1].item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    _optimized_and_reference_losses(model, reference, ids)
     # the key bias's gradient is zero but for rounding (softmax ignores a shift of a row): measured
     # against the largest gradient, not its own
     scale = max(r.grad.norm().item() for r in reference.parameters() if r.grad is not None)
