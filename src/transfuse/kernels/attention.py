@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
+from transfuse.kernels.attention_train import _load_rows  # a K or V tile, each with its own head dim
 
 # Block sizes of the mask summary; the attention kernel uses them whenever a summary is given.
 SUMMARY_BLOCK_M = 128
@@ -218,18 +219,7 @@ def _attention_fwd_inner(
     qk_scale = scale * LOG2E
     for start_n in range(start_lo, end_hi, BLOCK_N):
         cols = start_n + offs_n
-        if CHECK_K_BOUNDS:
-            in_seq = (cols < seqlen_k)[:, None]
-            kv_ok = in_seq
-            if PAD_D:
-                kv_ok = kv_ok & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-        elif PAD_D:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        if LOAD_AS_FP32:
-            k = k.to(tl.float32)
+        k = _load_rows(k_ptrs, cols, seqlen_k, d_ok, CHECK_K_BOUNDS, PAD_D, LOAD_AS_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
 
         if ELEMENT_MASKED:
@@ -267,17 +257,7 @@ def _attention_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
 
-        if CHECK_K_BOUNDS:
-            v_ok = in_seq
-            if PAD_DV:
-                v_ok = v_ok & dv_ok[None, :]
-            v = tl.load(v_ptrs, mask=v_ok, other=0.0)
-        elif PAD_DV:
-            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        if LOAD_AS_FP32:
-            v = v.to(tl.float32)
+        v = _load_rows(v_ptrs, cols, seqlen_k, dv_ok, CHECK_K_BOUNDS, PAD_DV, LOAD_AS_FP32)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 
@@ -672,9 +652,9 @@ def attention_fwd(
         raise ValueError("attention needs at least one key")
     # The kernel assumes unit stride along the head dim (vectorised loads); anything else is rare.
     q = q if q.stride(-1) == 1 else q.contiguous()
-    sinks = sinks.contiguous() if sinks is not None else None
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None  # read as one float per head
 
     has_mask = mask is not None
     if has_mask:
