@@ -236,17 +236,17 @@ def _match_manual(softmax: fx.Node) -> dict:
     cur = softmax
     dropout_p = 0.0
     drop_last = False  # the sink's column dropped from the probabilities
-    while (user := single_user(cur)) is not None and (
-            kind(user) == "to" or (kind(user) == "dropout" and not dropout_p) or (not drop_last and drops_last_column(user))
-            or heads_view(user) is not None):
+    while (user := single_user(cur)) is not None:
         if heads_view(user) is not None:
             pass  # a view that splits or merges batch and heads: checked by the shape below
-        elif drops_last_column(user):
+        elif not drop_last and drops_last_column(user):
             drop_last = True
-        elif kind(user) == "dropout":  # only p > 0 in training mode is left by the dropout pass
+        elif kind(user) == "dropout" and not dropout_p:  # only p > 0 in training mode is left by the dropout pass
             dropout_p = scalar(arg(user, 1, "p", 0.5))
             if dropout_p is None or arg(user, 2, "training", True) is not True or arg(user, 3, "inplace", False):
                 raise Reject("dropout on the probabilities with settings that are not constants")
+        elif kind(user) != "to":
+            break
         chain.append(user)
         cur = user
     pv = single_user(cur)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, same_size, scalar, tensor_meta
+from transfuse.passes.graph import arg, kind, same_size, scalar, tensor_meta
 
 _FLOORS = {torch.finfo(d).min for d in (torch.float16, torch.bfloat16, torch.float32)}
 
@@ -30,8 +30,7 @@ _FLOORS = {torch.finfo(d).min for d in (torch.float16, torch.bfloat16, torch.flo
 def heads_view(node: fx.Node) -> tuple[fx.Node, torch.Size | None] | None:
     """(input, 4-D shape or None) when `node` is a view/reshape between (B*H, T, S) and (B, H, T, S)
     or one that keeps the shape; else None. The 4-D shape is the side that has the heads."""
-    if not (node.op == "call_method" and node.target in ("view", "reshape")) and not (
-            node.op == "call_function" and node.target is torch.reshape):
+    if kind(node) not in ("view", "reshape"):
         return None
     src = node.args[0]
     a, b = tensor_meta(src), tensor_meta(node)
