@@ -87,6 +87,30 @@ def test_decode_loop_graphs_match_hf_loop():
     assert all(e.no_graph_reason is None for e in loop.entries.values()), transfuse.report(opt)
 
 
+def test_sampling_that_stops_early_leaves_eager_generator_state():
+    """Rows that all choose EOS long before max_new_tokens: the loop runs a few steps past the end
+    (it looks at "all finished" every few steps), and those steps draw random numbers Hugging Face's
+    loop never draws. The generator must end where eager's does, and the tokens equal eager's."""
+    model = _llama().float()
+    opt = transfuse.optimize(copy.deepcopy(model))
+    ids = torch.randint(0, 1000, (2, 9), device="cuda")
+    # Half the vocabulary ends a row: every row is done within a few sampled tokens.
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=True, top_k=50,
+               eos_token_id=list(range(0, 1000, 2)), pad_token_id=1)
+    with torch.no_grad():
+        for seed in range(4):  # the first call of a key runs its step eagerly, later ones replay
+            torch.manual_seed(seed)
+            ref = model.generate(ids, **gen)
+            ref_state = torch.cuda.get_rng_state()
+            torch.manual_seed(seed)
+            out = opt.generate(ids, **gen)
+            assert torch.equal(out, ref), seed
+            assert ref.shape[1] < 9 + 40, "no row stopped early: the test checks nothing"
+            assert torch.equal(torch.cuda.get_rng_state(), ref_state), seed
+    loop = opt._transfuse_state.decode_loop
+    assert loop.steps_discarded > 0 and loop.steps_replayed > 0, transfuse.report(opt)
+
+
 def _generate_equals_eager(model, batch: int, seq: int, left_pad: tuple[int, int], new_tokens, **gen):
     """Greedy generate() of an fp32 copy through optimize() equals eager's, for each count of new
     tokens in turn (later calls reuse the graphs and cache of earlier ones); row left_pad[0] is

@@ -27,7 +27,8 @@ its own besides the model's; written with torch ops it was thirty (bench/decode_
 
 The host looks at the GPU only every CHECK_EVERY steps, through a non-blocking copy of "all rows
 finished", and the steps run past the end (at most a few) are cut off using `done`: the returned
-tokens are exactly those of Hugging Face's loop.
+tokens are exactly those of Hugging Face's loop. When sampling, the device's generator is set back to
+its offset after the last token kept, so the random numbers drawn are Hugging Face's too.
 
 Encoder-decoders (T5, BART): the decoder has no 2-D mask or position ids to advance; the inputs that
 hold for the whole call (encoder states, the encoder's mask) are copied into the key's own buffers at
@@ -277,6 +278,11 @@ class DecodeLoop:
 
         choose(logits)  # the prefill's token
         chosen = 1
+        # Sampling draws from the device's generator every step, the steps run past the end too:
+        # its offset after each token (a host value, no sync) lets the loop hand back the state
+        # Hugging Face's loop leaves, so the caller's next random numbers are the same.
+        rng = _device_generator(input_ids.device) if do_sample else None
+        offsets = [rng.get_offset()] if rng is not None else None
         # The loop looks at "all rows finished" only from the first length at which an EOS can be chosen.
         no_stop_before = _first_stop_length(eos_ids, logits_processor, token_ids[0])
         pending = collections.deque()
@@ -285,6 +291,8 @@ class DecodeLoop:
             while chosen < max_new and not stopped:
                 self._run_step(entry, step)
                 chosen += 1
+                if offsets is not None:
+                    offsets.append(rng.get_offset())
                 if entry.eos is None:
                     continue
                 if prompt_len + chosen - 1 < no_stop_before:
@@ -299,6 +307,8 @@ class DecodeLoop:
         done = b.done[:chosen].nonzero()
         used = int(done[0, 0]) + 1 if len(done) else chosen
         self.steps_discarded += chosen - used
+        if offsets is not None and used < chosen:
+            rng.set_offset(offsets[used - 1])
         sequences = torch.cat([input_ids, b.out[:, :used]], dim=-1)
         if generation_config.return_dict_in_generate:
             output = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
@@ -542,6 +552,14 @@ def _first_stop_length(eos_ids: list[int], logits_processor, blocked_ids: list[l
     # each EOS id is blocked until the latest threshold among the processors that block it
     return min(max((_min_length_threshold(p) for p, ids in zip(min_len, blocked_ids) if e in ids), default=0)
                for e in eos_ids)
+
+
+def _device_generator(device: torch.device):
+    """The generator torch.multinomial draws from on a CUDA device; None elsewhere (the loop runs
+    no step past the end there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def _ids(value) -> list[int]:
