@@ -4,6 +4,7 @@ and the golden number of matches each pass makes on the prompt's trace. Tiny con
 GQA): every kernel under the interpreter costs in proportion to its programs and block steps, so
 the models are as small as the families' code paths allow (the head dim stays 16)."""
 
+import copy
 import math
 
 import pytest
@@ -162,3 +163,29 @@ def test_sliding_window_default_cache_traces_once(family):
         assert torch.equal(out, ref)
     assert sum(len(b.records) for b in model._transfuse_state.backends) == 2
     assert "sliding-window layer(s) keep every position" in transfuse.report(model)
+
+
+def test_bloom_generate_when_the_cache_is_shorter_than_the_rounded_length(monkeypatch):
+    """BLOOM pads the step's 2-D mask to exactly the static cache's length, so the decode loop's
+    mask may not be longer than the cache. Caches grow in LENGTH_BUCKET steps and the loop's
+    buffers in powers of two: with a small bucket a 15-token call gets a 16-position cache, and a
+    64-position mask once made BLOOM's padding negative (seen at a 1030-token prompt on the GPU)."""
+    from transfuse.runtime import generation
+
+    monkeypatch.setattr(generation, "LENGTH_BUCKET", 8)
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=2, **COMMON)
+    model = transformers.BloomForCausalLM(cfg).eval()
+    opt = transfuse.optimize(copy.deepcopy(model))
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **gen)
+        got = opt.generate(ids, **gen)
+    assert torch.equal(got, want)
+    loop = opt._transfuse_state.decode_loop
+    assert loop.calls == 1 and not loop.left_to_hf, transfuse.report(opt)
+    (entry,) = loop.entries.values()
+    assert entry.buffers.mask.shape[1] == 16, entry.buffers.mask.shape

@@ -221,10 +221,14 @@ class DecodeLoop:
         logits = outputs.logits[:, -1].to(copy=True, device=input_ids.device)
         del outputs
 
-        # The 2-D mask is indexed by absolute position (a sliding-window layer's cache is shorter
-        # than the sequence): as long as the cache's longest layer and every position generated.
+        # The 2-D mask is indexed by absolute position: as long as the cache where the cache holds
+        # every position generated (BLOOM's preparation pads the mask to exactly the cache's length,
+        # so it may not be longer), else (a sliding-window cache, shorter than the sequence) as long
+        # as every position generated, rounded up.
         # (An encoder-decoder's decoder has no 2-D mask: its "attention_mask" is the encoder's, constant.)
-        length = 1 if seq2seq else max(cache.get_max_length(), _round_up(stopping_criteria.max_length))
+        cache_length = cache.get_max_length()
+        length = (1 if seq2seq else cache_length if cache_length >= stopping_criteria.max_length
+                  else _round_up(stopping_criteria.max_length))
         per_step = ("past_key_values",) if seq2seq else _PER_STEP
         constant = {k: v for k, v in model_kwargs.items() if k not in per_step}
         key = (batch, id(cache), length, _round_up(max_new), do_sample, tuple(eos_ids),
