@@ -26,6 +26,7 @@ import torch
 
 from transfuse.runtime.cuda_graphs import first_line
 from transfuse.runtime.decode_loop import DecodeLoop
+from transfuse.runtime.generate_masks import masks_for_generate, needs_own_masks
 from transfuse.runtime.generation_check import cached_generation_check
 from transfuse.runtime.generation_config_memo import GenerationConfigMemo
 
@@ -63,6 +64,7 @@ class StaticCacheReuse:
         self.created = 0
         self.probed: tuple | str | None = None  # see probe()
         self.windowed = 0  # sliding-window (or chunked) layers given the full length, in the last cache that had any
+        self.own_masks: str | None = None  # why transfuse builds generate()'s masks (runtime/generate_masks.py)
 
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
@@ -160,8 +162,9 @@ class StaticCacheReuse:
                           for (b, _, _, c), (_, n) in self.caches.items())
         windows = (f"; its {self.windowed} sliding-window layer(s) keep every position, the window is the mask's"
                    if self.windowed else "")
+        masks = f"; {self.own_masks}" if self.own_masks else ""
         return (f"static KV cache by default: {self.created} created, {self.reused} reused" + (f" ({sizes})" if sizes else "")
-                + windows)
+                + windows + masks)
 
 
 def _reset(cache) -> None:
@@ -267,6 +270,9 @@ def install(model: torch.nn.Module, state) -> None:
     state.static_cache = reuse
     state.generate = generate
     setattr(model, _PREPARE, reuse)
+    reuse.own_masks = needs_own_masks(model)
+    if reuse.own_masks is not None:  # Llama 4 on transformers 5.17 (runtime/generate_masks.py)
+        model.create_masks_for_generate = masks_for_generate
     model.generate = generate
     _install_decode_loop(model, state, reuse)
 
@@ -326,5 +332,7 @@ def uninstall(model: torch.nn.Module, state) -> None:
         del model.__dict__[_PREPARE]
     if model.__dict__.get("generate") is state.generate:
         del model.__dict__["generate"]
+    if model.__dict__.get("create_masks_for_generate") is masks_for_generate:
+        del model.__dict__["create_masks_for_generate"]
     reuse.caches.clear()
     state.static_cache = None

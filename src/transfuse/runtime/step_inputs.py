@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from transfuse.runtime.generate_masks import masks_for_generate
+
 # What create_masks_for_generate returns per layer type when the model declares them (Qwen2, ...).
 _FULL = "full_attention"
 
@@ -42,7 +44,8 @@ def preparation_reason(model) -> str | None:
 
 def mask_reason(model) -> str | None:
     """None when a step's 4-D mask is the 2-D padding mask (see the module docstring), else why not."""
-    if hasattr(model, "create_masks_for_generate"):
+    own = getattr(model, "create_masks_for_generate", None)
+    if own is not None and own is not masks_for_generate:  # transfuse's builder makes Hugging Face's masks
         return f"{type(model).__name__} makes its masks itself"
     config = model.config.get_text_config()
     types = getattr(config, "layer_types", None)
