@@ -292,6 +292,56 @@ FAMILIES += [
      dict(_T5, num_experts=4, expert_capacity=8, encoder_sparse_step=2, decoder_sparse_step=2,
           decoder_start_token_id=PAD), None),
 ]
+# More families (session 27): MoE variants, a second latent attention, differential attention,
+# sliding windows with Q/K norms, a hybrid state-space model, pre-norm and factorised encoders and
+# encoder-decoders of their own kinds.
+_ENC = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+            vocab_size=VOCAB, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+FAMILIES += [
+    ("qwen2_moe", "dec", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # 4 experts top 2 and a gated shared expert
+     dict(_LLAMA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2), None),
+    ("olmoe", "dec", "OlmoeConfig", "OlmoeForCausalLM",  # Q/K norms over all heads, 4 experts top 2
+     dict(_LLAMA, num_experts=4, num_experts_per_tok=2), None),
+    ("phimoe", "dec", "PhimoeConfig", "PhimoeForCausalLM",  # sparse-mixer routing, LayerNorm, sliding window
+     dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, sliding_window=8), None),
+    ("granitemoe", "dec", "GraniteMoeConfig", "GraniteMoeForCausalLM",  # scaled residuals, logits and attention
+     dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+          logits_scaling=2.0, attention_multiplier=0.2), None),
+    ("deepseek_v2", "dec", "DeepseekV2Config", "DeepseekV2ForCausalLM",  # MLA without a q LoRA, complex rotary
+     dict(_LLAMA, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+          num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16), None),
+    ("minicpm3", "dec", "MiniCPM3Config", "MiniCPM3ForCausalLM",  # MLA with scaled embeddings and residuals
+     dict(_LLAMA, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+          v_head_dim=16), None),
+    ("diffllama", "dec", "DiffLlamaConfig", "DiffLlamaForCausalLM",  # differential attention: two softmaxes
+     dict(_LLAMA, head_dim=16), None),
+    ("olmo3", "dec", "Olmo3Config", "Olmo3ForCausalLM",  # sliding window 8, Q/K norms, post norms
+     dict(_LLAMA, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("helium", "dec", "HeliumConfig", "HeliumForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("ernie4_5", "dec", "Ernie4_5Config", "Ernie4_5ForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("seed_oss", "dec", "SeedOssConfig", "SeedOssForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("jamba", "dec", "JambaConfig", "JambaForCausalLM",  # Mamba and attention layers, MoE every other layer
+     dict(_LLAMA, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+          expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False), None),
+    ("xlm-roberta-xl", "enc", "XLMRobertaXLConfig", "XLMRobertaXLForMaskedLM", dict(_ENC), None),  # pre-norm
+    ("data2vec-text", "enc", "Data2VecTextConfig", "Data2VecTextForMaskedLM", dict(_ENC), None),
+    ("rembert", "enc", "RemBertConfig", "RemBertForMaskedLM",  # decoupled input and output embeddings
+     dict(_ENC, input_embedding_size=32, output_embedding_size=48), None),
+    ("convbert", "enc", "ConvBertConfig", "ConvBertForMaskedLM",  # span-based dynamic convolution heads
+     dict(_ENC, embedding_size=64), None),
+    ("eurobert", "enc", "EuroBertConfig", "EuroBertForMaskedLM", dict(_LLAMA), None),  # Llama-style encoder
+    ("fsmt", "s2s", "FSMTConfig", "FSMTForConditionalGeneration",  # two vocabularies, sinusoidal positions
+     dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+          encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, src_vocab_size=VOCAB,
+          tgt_vocab_size=VOCAB, langs=["en", "de"], pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+          decoder_start_token_id=EOS), None),
+    ("blenderbot_small", "s2s", "BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration",
+     dict(_BART, max_position_embeddings=64), None),
+    ("t5gemma", "s2s", "T5GemmaConfig", "T5GemmaForConditionalGeneration",  # Gemma-2 encoder and decoder
+     dict(encoder=dict(_LLAMA, head_dim=16, sliding_window=8), decoder=dict(_LLAMA, head_dim=16, sliding_window=8),
+          **_S2S_IDS), None),
+]
 BY_NAME = {f[0]: f for f in FAMILIES}
 
 
