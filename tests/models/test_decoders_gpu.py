@@ -206,3 +206,22 @@ def test_prophetnet_generate_with_graphs_equals_eager():
     assert records and not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), \
         transfuse.report(opt)
     assert sum(r.cuda_graphs for r in records) >= len(records) // 2, transfuse.report(opt)
+
+
+def test_llama4_chunked_attention_generates_on_the_static_cache_with_graphs():
+    """Llama 4's chunked attention on the default static cache (transfuse builds generate()'s masks,
+    runtime/generate_masks.py): eager's tokens past several chunk borders, the decode steps replayed
+    from CUDA graphs, and no graph left out of CUDA graphs for a host copy (the H200 sweep's report
+    showed four such graphs on 61675c6)."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, intermediate_size_mlp=96, vocab_size=1000, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=8, no_rope_layers=[1, 0], use_qk_norm=True, interleave_moe_layer_step=2,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.Llama4ForCausalLM(config)
+    opt = _generate_equals_eager(model, batch=3, seq=13, left_pad=(1, 3), new_tokens=(6, 20))
+    loop = opt._transfuse_state.decode_loop
+    assert loop.steps_replayed > 0 and not loop.left_to_hf, transfuse.report(opt)
+    records = [r for b in opt._transfuse_state.backends for r in b.records]
+    assert not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), transfuse.report(opt)
