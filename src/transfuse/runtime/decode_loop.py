@@ -226,9 +226,12 @@ class DecodeLoop:
         # so it may not be longer), else (a sliding-window cache, shorter than the sequence) as long
         # as every position generated, rounded up.
         # (An encoder-decoder's decoder has no 2-D mask: its "attention_mask" is the encoder's, constant.)
-        cache_length = cache.get_max_length()
-        length = (1 if seq2seq else cache_length if cache_length >= stopping_criteria.max_length
-                  else _round_up(stopping_criteria.max_length))
+        if seq2seq:
+            length = 1
+        else:
+            length = cache.get_max_length()
+            if length < stopping_criteria.max_length:
+                length = _round_up(stopping_criteria.max_length)
         per_step = ("past_key_values",) if seq2seq else _PER_STEP
         constant = {k: v for k, v in model_kwargs.items() if k not in per_step}
         key = (batch, id(cache), length, _round_up(max_new), do_sample, tuple(eos_ids),

@@ -17,6 +17,7 @@ refuses it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 # What Hugging Face's builder passes to every mask function (transformers 5.17).
@@ -48,6 +49,7 @@ def _mask_functions(config) -> dict | None:
     return {None: masking_utils.create_causal_mask}
 
 
+@functools.cache  # read for every argument at every mask build (each prefill and eager step)
 def _takes(fn, name: str) -> bool:
     params = inspect.signature(fn).parameters
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -64,7 +64,7 @@ class StaticCacheReuse:
         self.created = 0
         self.probed: tuple | str | None = None  # see probe()
         self.windowed = 0  # sliding-window (or chunked) layers given the full length, in the last cache that had any
-        self.own_masks: str | None = None  # why transfuse builds generate()'s masks (runtime/generate_masks.py)
+        self.own_masks = needs_own_masks(model)  # why transfuse builds generate()'s masks, or None
 
     def __call__(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
         if cache_implementation != STATIC or prefill_chunk_size is not None:
@@ -270,7 +270,6 @@ def install(model: torch.nn.Module, state) -> None:
     state.static_cache = reuse
     state.generate = generate
     setattr(model, _PREPARE, reuse)
-    reuse.own_masks = needs_own_masks(model)
     if reuse.own_masks is not None:  # Llama 4 on transformers 5.17 (runtime/generate_masks.py)
         model.create_masks_for_generate = masks_for_generate
     model.generate = generate
