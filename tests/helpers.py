@@ -9,17 +9,21 @@ import torch
 import transfuse
 
 
+def rewrite_counts(model: torch.nn.Module) -> Counter:
+    """How many times each rewrite matched, over every graph of the optimized model's backend."""
+    counts: Counter = Counter()
+    for record in model._transfuse_state.backend.records:
+        counts.update(record.rewrites)
+    return counts
+
+
 def optimize_and_run(model: torch.nn.Module, *args, **kwargs):
     """(output, rewrites Counter, rejections list) of the optimized model on these inputs."""
     transfuse.optimize(model)
     with torch.no_grad():
         out = model(*args, **kwargs)
-    records = model._transfuse_state.backend.records
-    rewrites: Counter = Counter()
-    for r in records:
-        rewrites.update(r.rewrites)
-    rejections = [rej for r in records for rej in r.rejections]
-    return out, rewrites, rejections
+    rejections = [rej for r in model._transfuse_state.backend.records for rej in r.rejections]
+    return out, rewrite_counts(model), rejections
 
 
 def eager_then_optimized(model: torch.nn.Module, *args, **kwargs):

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 import transfuse
+from tests.helpers import rewrite_counts
 
 
 def _lm(family, positions=64, layers=2, **config):
@@ -322,8 +323,5 @@ def test_latent_attention_cache_keeps_two_head_dims():
         transfuse.optimize(model)
         out = model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
-    rewrites = {}
-    for record in model._transfuse_state.backend.records:
-        for name, count in record.rewrites.items():
-            rewrites[name] = rewrites.get(name, 0) + count
-    assert rewrites.get("KVCacheWrite") == 2 and rewrites.get("TorchSDPA") == 2, rewrites
+    rewrites = rewrite_counts(model)
+    assert rewrites["KVCacheWrite"] == 2 and rewrites["TorchSDPA"] == 2, rewrites

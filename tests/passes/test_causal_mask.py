@@ -3,13 +3,13 @@ time (run at lengths beyond its integer constants) and becomes is_causal in a tr
 CausalKeyPadding: the same mask and a padding input on the keys becomes is_causal and a key mask;
 masks that are not exactly that are left as they are."""
 
-from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import transfuse
+from tests.helpers import rewrite_counts
 
 DIM, HEADS = 16, 2
 
@@ -64,13 +64,6 @@ def _train_step(model, x, padding=None):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _rewrites(model):
-    counts = Counter()
-    for record in model._transfuse_state.backend.records:
-        counts.update(record.rewrites)
-    return counts
-
-
 def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", dynamic=True, **kwargs):
     torch.manual_seed(0)
     model = Attention(rule, **kwargs).train()
@@ -83,7 +76,7 @@ def _check(rule, expect_causal, padding=False, pattern="CausalMaskFromShapes", d
     expected = _train_step(reference, x, pad)
     transfuse.optimize(model, dynamic=dynamic)
     got = _train_step(model, x, pad)
-    assert (_rewrites(model)[pattern] == 1) == expect_causal, _rewrites(model)
+    assert (rewrite_counts(model)[pattern] == 1) == expect_causal, rewrite_counts(model)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
 
@@ -143,7 +136,7 @@ def test_padding_of_other_sizes_behaves_as_in_eager():
     x = torch.randn(2, 11, DIM)
     transfuse.optimize(model)
     _train_step(model, x, torch.ones(2, 11))
-    assert _rewrites(model)["CausalKeyPadding"] == 1
+    assert rewrite_counts(model)["CausalKeyPadding"] == 1
     one_row = torch.ones(1, 11)
     one_row[0, 8:] = 0
     torch.testing.assert_close(model(x, one_row), reference(x, one_row), rtol=1e-4, atol=1e-5)

@@ -7,7 +7,6 @@ eager bf16's error. Eval graphs keep the plain CrossEntropy op.
 
 Run: PYTHONPATH=src TRITON_INTERPRET=1 python3 -m pytest -q tests/passes/test_cross_entropy_pass.py"""
 
-import collections
 import copy
 
 import pytest
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 import transfuse
 from transfuse.ops.cross_entropy import linear_logits_cross_entropy
+from tests.helpers import rewrite_counts
 
 
 class TiedHead(torch.nn.Module):
@@ -35,13 +35,6 @@ class TiedHead(torch.nn.Module):
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), **self.settings)
         return logits, loss
-
-
-def _rewrites(model) -> collections.Counter:
-    counts: collections.Counter = collections.Counter()
-    for record in model._transfuse_state.backend.records:
-        counts.update(record.rewrites)
-    return counts
 
 
 def _step(model, ids, targets, logits_loss):
@@ -83,7 +76,7 @@ def test_training_step_equals_eager(logits_loss, reduction, label_smoothing):
         assert ref is not None and ref.abs().max() > 0, name
         error = ((ours[name] - ref).norm() / ref.norm()).item()  # fp32 rounding, summed in another order
         assert error < 1e-5, (name, error)
-    rewrites = _rewrites(model)
+    rewrites = rewrite_counts(model)
     assert rewrites["CrossEntropy"] == 1 and rewrites["VocabPadding"] == 1, rewrites
     graph = model._transfuse_state.backend.graphs[0].graph
     targets_called = [n.target for n in graph.nodes if n.op == "call_function"]
@@ -102,7 +95,7 @@ def test_vocabulary_multiple_of_64_is_not_padded():
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     grad, ref = model.wte.weight.grad, reference.wte.weight.grad
     assert ((grad - ref).norm() / ref.norm()).item() < 1e-5
-    assert _rewrites(model)["CrossEntropy"] == 1 and _rewrites(model)["VocabPadding"] == 0
+    assert rewrite_counts(model)["CrossEntropy"] == 1 and rewrite_counts(model)["VocabPadding"] == 0
 
 
 def test_bf16_autocast_within_eager_bf16_error():
@@ -127,7 +120,7 @@ def test_bf16_autocast_within_eager_bf16_error():
         assert p.grad.dtype == torch.float32
         err, err_eager = (p.grad - g.grad).abs().max().item(), (e.grad - g.grad).abs().max().item()
         assert err <= 2 * err_eager + 1e-2 * g.grad.abs().max().item(), (name, err, err_eager)
-    assert _rewrites(model)["VocabPadding"] == 1
+    assert rewrite_counts(model)["VocabPadding"] == 1
 
 
 def test_eval_keeps_the_plain_cross_entropy():
@@ -141,4 +134,4 @@ def test_eval_keeps_the_plain_cross_entropy():
         logits, loss = model(ids, targets)
     assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-6)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert _rewrites(model)["CrossEntropy"] == 1 and _rewrites(model)["VocabPadding"] == 0
+    assert rewrite_counts(model)["CrossEntropy"] == 1 and rewrite_counts(model)["VocabPadding"] == 0

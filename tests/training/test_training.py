@@ -5,7 +5,6 @@ report says what ran in transfuse kernels."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import operator
 import re
@@ -17,13 +16,7 @@ import transformers
 import transfuse
 from transfuse.backend import Backend
 from transfuse.bench.nanogpt import GPT, tiny_config
-
-
-def _rewrites(model) -> collections.Counter:
-    counts: collections.Counter = collections.Counter()
-    for record in model._transfuse_state.backend.records:
-        counts.update(record.rewrites)
-    return counts
+from tests.helpers import rewrite_counts
 
 
 def _grad_errors(model, reference) -> dict:
@@ -94,7 +87,7 @@ def test_training_step_equals_eager(family, expected):
     errors = _grad_errors(model, reference)
     assert len(errors) == len(list(reference.parameters()))
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    rewrites = _rewrites(model)
+    rewrites = rewrite_counts(model)
     for pattern, count in expected.items():
         assert rewrites[pattern] == count, (pattern, rewrites)
     report = transfuse.report(model)
@@ -130,7 +123,7 @@ def test_attention_mask_with_padding_becomes_a_key_mask(family, padding, key_mas
     assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    assert _rewrites(model)["CausalKeyPadding"] == key_masks, _rewrites(model)
+    assert rewrite_counts(model)["CausalKeyPadding"] == key_masks, rewrite_counts(model)
 
 
 def test_gpt2_left_padding_gradients_equal_eager():
@@ -226,6 +219,7 @@ def _optimized_and_reference_losses(model, reference, ids) -> list:
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     return losses
 
+
 def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
     """GPT-2's attn_pdrop in training: the hand-written attention with dropout on its probabilities
     becomes F.scaled_dot_product_attention(dropout_p=p). On the CPU SDPA's math path draws the same
@@ -241,7 +235,7 @@ def test_attention_dropout_becomes_pytorch_sdpa_with_the_same_draws():
     losses = _optimized_and_reference_losses(model, reference, ids)
     torch.manual_seed(8)
     assert _step(model, ids, ids)[1].item() != pytest.approx(losses[0], rel=1e-6)  # dropout is on
-    assert _rewrites(model)["AttentionDropoutToSDPA"] == 2
+    assert rewrite_counts(model)["AttentionDropoutToSDPA"] == 2
 
 
 class _LossOnly(torch.nn.Module):
@@ -273,7 +267,7 @@ def test_loss_only_model_fuses_the_head_into_the_loss():
     assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, errors
-    assert _rewrites(model)["LinearCrossEntropy"] == 1
+    assert rewrite_counts(model)["LinearCrossEntropy"] == 1
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
@@ -303,7 +297,7 @@ def test_encoder_decoder_training_equals_eager(family):
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     assert model._transfuse_state.eager_reason is None
     if family == "t5":
-        assert _rewrites(model)["TorchSDPA"] == 6
+        assert rewrite_counts(model)["TorchSDPA"] == 6
         assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.abs().sum() > 0
 
 
@@ -323,16 +317,16 @@ def test_bf16_autocast_gradients_within_eager_bf16_error(family, graphs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _step(m, ids, ids)
     ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
-    assert _rewrites(model)["LinearEpilogue"] == 2  # in bf16: the pass casts as autocast does
+    assert rewrite_counts(model)["LinearEpilogue"] == 2  # in bf16: the pass casts as autocast does
     # the fp32 residual stream plus a bf16 branch (GPT-2 adds them the other way round), normalised
     # straight to bf16 for the next GEMMs
     fused = {"nanogpt": "ResidualLayerNorm", "gpt2": "ResidualLayerNorm", "llama": "ResidualRMSNorm"}[family]
-    assert _rewrites(model)[fused] == 4
-    assert _rewrites(model)["BiasGradInNormBackward"] == (4 if graphs else 0)
-    assert _rewrites(model)["ColumnSum"] == (2 if graphs else 0)
-    assert _rewrites(model)["PackedQKVGrad"] == (2 if graphs else 0)  # c_attn's gradient, no cat
+    assert rewrite_counts(model)[fused] == 4
+    assert rewrite_counts(model)["BiasGradInNormBackward"] == (4 if graphs else 0)
+    assert rewrite_counts(model)["ColumnSum"] == (2 if graphs else 0)
+    assert rewrite_counts(model)["PackedQKVGrad"] == (2 if graphs else 0)  # c_attn's gradient, no cat
     # 2 c_attn bias sums, 4 norm backward sums (c_proj biases), 2 c_fc bias sums in the GELU backward
-    assert _rewrites(model)["Fp32Gradients"] == (8 if graphs else 0)
+    assert rewrite_counts(model)["Fp32Gradients"] == (8 if graphs else 0)
     ops = torch.ops.transfuse
     norm_ops = (ops.layer_norm.default, ops.add_layer_norm.default, ops.rms_norm.default, ops.add_rms_norm.default)
     norms = [n for gm in model._transfuse_state.backend.graphs for n in gm.graph.nodes if n.target in norm_ops]
@@ -398,9 +392,9 @@ def test_decoder_family_training_equals_eager(family):
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     errors = _grad_errors(model, reference)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    assert _rewrites(model)["RotaryPair"] == 2 and _rewrites(model)["CrossEntropy"] == 1
+    assert rewrite_counts(model)["RotaryPair"] == 2 and rewrite_counts(model)["CrossEntropy"] == 1
     if family == "phi3":  # its one gate_up projection, chunked: silu(gate) * up in the GEMM
-        assert _rewrites(model)["SwiGLU"] == 2
+        assert rewrite_counts(model)["SwiGLU"] == 2
 
 
 def test_padded_vocabulary_logits_come_back_contiguous():
@@ -408,7 +402,7 @@ def test_padded_vocabulary_logits_come_back_contiguous():
     transfuse.optimize(model)
     ids = torch.randint(0, 97, (2, 8))
     logits, loss = model(ids, ids)
-    assert _rewrites(model)["VocabPadding"] == 1
+    assert rewrite_counts(model)["VocabPadding"] == 1
     assert logits.shape == (2, 8, 97) and logits.is_contiguous()
     logits.view(-1)  # as eager's logits allow
 
@@ -436,7 +430,7 @@ def test_causal_mask_buffer_is_read_however_dynamo_spells_the_comparison(monkeyp
     _, loss = model(ids, ids)
     _, ref_loss = reference(ids, ids)
     assert len(spelled) == 2
-    assert _rewrites(model)["CausalMaskBuffer"] == 2, _rewrites(model)
+    assert rewrite_counts(model)["CausalMaskBuffer"] == 2, rewrite_counts(model)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
 
 
@@ -459,4 +453,4 @@ def test_attention_dropout_on_probabilities_viewed_to_heads_is_left_as_written()
     for p, r in zip(model.parameters(), reference.parameters()):
         assert (p.grad - r.grad).norm().item() < 1e-5 * scale
     reasons = [r.reason for record in model._transfuse_state.backend.records for r in record.rejections]
-    assert "ManualAttention" not in _rewrites(model) and any("viewed to heads or floored" in r for r in reasons)
+    assert "ManualAttention" not in rewrite_counts(model) and any("viewed to heads or floored" in r for r in reasons)

@@ -15,7 +15,8 @@ import torch
 from functorch.compile import aot_function, nop
 
 import transfuse
-from tests.training.test_training import _grad_errors, _hf_gpt2, _llama, _nanogpt, _rewrites, _step
+from tests.helpers import rewrite_counts
+from tests.training.test_training import _grad_errors, _hf_gpt2, _llama, _nanogpt, _step
 from transfuse.bench.nanogpt import GPT
 from transfuse.ops.cross_entropy import linear_cross_entropy
 from transfuse.passes.graph import static_inputs
@@ -126,14 +127,14 @@ def test_adamw_steps_with_gradient_accumulation_equal_eager(family):
     report = transfuse.report(model)
     assert "training graphs: 1 " in report and "run as AOTAutograd forward + backward graphs, no CUDA graphs: " \
         "not on a GPU: 1" in report, report
-    assert _rewrites(model)["LinearEpilogue"] == 2
+    assert rewrite_counts(model)["LinearEpilogue"] == 2
     # the output projections' bias gradients, summed in the LayerNorm backward kernels (2 blocks)
-    assert _rewrites(model)["BiasGradInNormBackward"] == {"nanogpt": 4, "gpt2": 4, "llama": 0}[family]
+    assert rewrite_counts(model)["BiasGradInNormBackward"] == {"nanogpt": 4, "gpt2": 4, "llama": 0}[family]
     assert ("bias gradients (in the norm backward)" in report) == (family != "llama"), report
     # one QKV linear: the attention backward writes its gradient in place (Llama has three linears)
-    assert _rewrites(model)["PackedQKVGrad"] == {"nanogpt": 2, "gpt2": 2, "llama": 0}[family]
+    assert rewrite_counts(model)["PackedQKVGrad"] == {"nanogpt": 2, "gpt2": 2, "llama": 0}[family]
     # the MLP's activation (GELU; Llama's silu(gate) * up) recomputed in the backward, not saved
-    assert _rewrites(model)["RecomputedActivation"] == 2
+    assert rewrite_counts(model)["RecomputedActivation"] == 2
 
 
 @pytest.mark.parametrize("family,graphs", [("nanogpt", True), ("gpt2", True), ("nanogpt", False)])
@@ -164,7 +165,7 @@ def test_returned_logits_get_their_gradient_outside_the_graph(family, graphs, mo
         assert max(errors.values()) < 1e-4, (with_logits, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
-    assert _rewrites(model)["ReturnedLogits"] == 1
+    assert rewrite_counts(model)["ReturnedLogits"] == 1
     assert not any(shape and shape[-1] == 97 for shape in tangents), tangents
     assert bool(tangents) == graphs
 
@@ -183,7 +184,7 @@ def test_activation_recomputed_in_the_backward_unless_disabled(disable):
         (m(x) * torch.linspace(-1, 1, 16)).sum().backward()
     errors = _grad_errors(mlp, reference)
     assert len(errors) == 4 and max(errors.values()) < 1e-5, errors
-    assert _rewrites(mlp)["RecomputedActivation"] == (0 if disable else 1)
+    assert rewrite_counts(mlp)["RecomputedActivation"] == (0 if disable else 1)
 
 
 def _step_without_backward(model, ids, targets):
@@ -402,4 +403,4 @@ def test_bias_grad_pass_on_torch_2_11s_graphs(monkeypatch):
     ours, theirs = _grad_errors(model, fp32), _grad_errors(eager, fp32)
     worst = max(ours, key=lambda n: ours[n] - 2 * theirs[n])
     assert ours[worst] <= 2 * theirs[worst] + 1e-2, (worst, ours[worst], theirs[worst])
-    assert _rewrites(model)["BiasGradInNormBackward"] == 4
+    assert rewrite_counts(model)["BiasGradInNormBackward"] == 4
