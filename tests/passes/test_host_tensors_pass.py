@@ -100,3 +100,63 @@ def test_random_chain_stays():
 
     gm = _traced(fn, torch.randn(2, 5, device="meta"), dynamic=False)
     assert move_host_tensors(gm) == 0 and len(host_copies(gm)) == 1
+
+
+def _rotary_frequencies(x):
+    """Phi-MoE's form: inverse frequencies computed on the CPU at every call, expanded to the batch."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+    return inv_freq[None, :, None].expand(x.shape[0], -1, 1).to(dtype=torch.float32, device=x.device)
+
+
+def test_values_fold_and_shape_ops_with_a_symbolic_size_move_to_the_device():
+    gm = _traced(_rotary_frequencies, torch.randn(2, 5, device="meta"), dynamic=True)
+    (copy,) = host_copies(gm)
+    chain, symbolic = _chain(copy.args[0])
+    assert symbolic
+    assert move_host_tensors(gm) == 1
+    gm.recompile()
+    assert not host_copies(gm) and not _calls(gm, torch.arange)
+    (name,) = [n for n, _ in gm.named_buffers()]
+    folded = dict(gm.named_buffers())[name]
+    assert folded.device.type == "meta" and folded.shape == (1, 4, 1) and folded.dtype == torch.float32
+    # the graph reads only x's batch size (traced as 2): given as 3
+    (size,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert isinstance(size.meta["example_value"], torch.SymInt)
+    (out,) = gm(3)
+    assert out.shape == (3, 4, 1) and out.device.type == "meta"
+
+
+def test_the_folded_part_holds_the_values_eager_computes_on_the_cpu():
+    gm = _traced(_rotary_frequencies, torch.randn(2, 5, device="cpu"), dynamic=True)
+    # on the CPU there is no copy; the chain up to the expand is what would be folded
+    (getitem,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "getitem"]
+    chain, symbolic = _chain(getitem)
+    assert not symbolic
+    want = (1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8)))[None, :, None]
+    assert torch.equal(_evaluate(gm, chain), want)
+
+
+def test_arithmetic_after_a_symbolic_shape_op_stays():
+    def fn(x):
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+        return (inv_freq[None, :].expand(x.shape[0], -1) * 2.0).to(x.device)
+
+    gm = _traced(fn, torch.randn(2, 5, device="meta"), dynamic=True)
+    assert move_host_tensors(gm) == 0 and len(host_copies(gm)) == 1
+
+
+def test_a_literal_constant_moved_to_the_device_folds():
+    # transformers' sliding-window cache layer: torch.tensor(window) on the CPU, moved at first use;
+    # constants.py has made the literal a buffer before this pass runs
+    from transfuse.passes.constants import hoist_literal_tensors
+
+    def fn(x):
+        return x + 1, torch.tensor(4096, dtype=torch.long).to(x.device)
+
+    gm = _traced(fn, torch.randn(2, 5, device="meta"), dynamic=True)
+    assert hoist_literal_tensors(gm) == 1 and len(host_copies(gm)) == 1
+    assert move_host_tensors(gm) == 1
+    gm.recompile()
+    assert not host_copies(gm)
+    folded = [b for n, b in gm.named_buffers() if n.startswith("_transfuse_host_")]
+    assert len(folded) == 1 and folded[0].device.type == "meta" and folded[0].dtype == torch.long

@@ -10,18 +10,29 @@ tensors during CUDA graph capture"). Two rewrites keep the values exactly:
 - move: when a size is symbolic (Dynamo's dynamic shapes) and every tensor in the chain holds
   integers or booleans, the chain's factories (arange, zeros, full...) build on the device instead,
   and the ops after them follow. Integer arithmetic gives the same values on either device.
+- fold the values, move the shape: when only shape ops (expand, view, indexing...) read a symbolic
+  size, every part computed from plain numbers is folded into a device constant and the shape ops
+  run on the device. Phi-MoE's rotary embedding, for one, builds its inverse frequencies on the CPU at
+  every call and expands them to the batch's size: `inv_freq[None, :, None].expand(b, -1, 1).to(x.device)`.
+  Shape ops move values without computing any, so the device gives the CPU's values bit for bit.
 
-A chain that does neither (a float computation with a symbolic size, a CPU tensor the caller passes
-in, a random op) is left as written: `host_copies()` finds its copy, and the backend then runs that
+A constant the graph reads as an attribute (transformers' sliding-window caches make
+`torch.tensor(window)` on the CPU and move it; constants.py has already made it a buffer) is a leaf
+of a chain like a factory call.
+
+A chain that does none of these (a float computation with a symbolic size, a CPU tensor the caller
+passes in, a random op) is left as written: `host_copies()` finds its copy, and the backend then runs that
 graph without CUDA graphs and says so in the report.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import _hashable, method_name, replace_by_buffer, tensor_meta
+from transfuse.passes.graph import _hashable, add_buffer, method_name, replace_by_buffer, tensor_meta
 
 # Factories that build a tensor from Python numbers: `device=` says where.
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.tensor}
@@ -31,6 +42,11 @@ _RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoul
 _RANDOM_METHODS = {"random_", "uniform_", "normal_", "bernoulli", "bernoulli_", "exponential_",
                    "geometric_", "log_normal_", "cauchy_", "multinomial"}
 _EXACT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+# Ops that only rearrange or repeat their input's values: the same result on any device.
+_SHAPE_METHODS = {"expand", "expand_as", "view", "reshape", "unsqueeze", "squeeze", "permute", "transpose",
+                  "contiguous", "flatten", "repeat", "t"}
+_SHAPE_FUNCTIONS = {torch.unsqueeze, torch.squeeze, torch.reshape, torch.permute, torch.transpose,
+                    torch.flatten, torch.t, operator.getitem}
 
 
 def _on_host(node) -> bool:
@@ -64,6 +80,8 @@ def _chain(start: fx.Node) -> tuple[list[fx.Node], bool] | None:
         if node in seen:
             continue
         seen.add(node)
+        if node.op == "get_attr":
+            continue  # a constant of the graph: no inputs
         if node.op not in ("call_function", "call_method"):
             return None
         name = method_name(node) if node.op == "call_method" else None
@@ -84,15 +102,26 @@ def _chain(start: fx.Node) -> tuple[list[fx.Node], bool] | None:
 
 def _evaluate(gm: fx.GraphModule, chain: list[fx.Node]) -> torch.Tensor:
     """Runs the chain on the CPU, as eager would; returns the value of its last node."""
+    return _values(gm, chain)[chain[-1]]
+
+
+def _values(gm: fx.GraphModule, chain: list[fx.Node]) -> dict[fx.Node, object]:
+    """Every node of the chain (in graph order), run on the CPU as eager would, and its value."""
     env: dict[fx.Node, object] = {}
     for node in chain:
+        if node.op == "get_attr":
+            value = gm
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            env[node] = value
+            continue
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
         if node.op == "call_method":
             env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
             env[node] = node.target(*args, **kwargs)
-    return env[chain[-1]]
+    return env
 
 
 def _set_device_meta(node: fx.Node, device: torch.device) -> None:
@@ -140,6 +169,43 @@ def _move(chain: list[fx.Node], device: torch.device) -> bool:
     return True
 
 
+def _moves_only(node: fx.Node) -> bool:
+    """An op that rearranges its input's values without computing any (and names no device)."""
+    if node.op == "call_method":
+        return method_name(node) in _SHAPE_METHODS
+    return node.op == "call_function" and _hashable(node.target) and node.target in _SHAPE_FUNCTIONS and not any(
+        isinstance(i, fx.Node) and tensor_meta(i) is not None for i in node.all_input_nodes[1:])
+
+
+def _fold_values_move_shapes(gm: fx.GraphModule, chain: list[fx.Node], device: torch.device) -> bool:
+    """Folds what the chain computes from plain numbers into device constants and runs the rest,
+    shape ops reading a symbolic size, on the device. False, with nothing changed, where something
+    other than a shape op reads a symbolic size (or a value computed from one)."""
+    members = set(chain)
+    fixed_set: set[fx.Node] = set()
+    for node in chain:  # graph order: fixed when every input is a fixed node (no symbolic size)
+        if all(i in fixed_set for i in node.all_input_nodes):
+            fixed_set.add(node)
+    shaped = [n for n in chain if n not in fixed_set]
+    if not shaped or not all(_moves_only(n) and n.args and n.args[0] in members for n in shaped):
+        return False
+    frontier = [n for n in chain if n in fixed_set and any(u not in fixed_set for u in n.users)]
+    values = _values(gm, [n for n in chain if n in fixed_set])
+    for node in frontier:
+        value = values[node].to(device)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(add_buffer(gm, "_transfuse_host_", value))
+        constant.meta = dict(node.meta)
+        constant.meta["example_value"] = value
+        node.replace_all_uses_with(constant, delete_user_cb=lambda user: user not in fixed_set)
+    for node in shaped:
+        _set_device_meta(node, device)
+    for node in reversed(chain):
+        if node in fixed_set and not node.users:
+            gm.graph.erase_node(node)
+    return True
+
+
 def move_host_tensors(gm: fx.GraphModule) -> int:
     """Folds or moves every host chain whose copy is the only thing reading it; returns how many."""
     graph = gm.graph
@@ -165,6 +231,6 @@ def move_host_tensors(gm: fx.GraphModule) -> int:
                 if not node.users:
                     graph.erase_node(node)
             done += 1
-        elif _move(chain, out.device):
+        elif _move(chain, out.device) or _fold_values_move_shapes(gm, chain, out.device):
             done += 1
     return done
