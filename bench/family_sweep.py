@@ -342,6 +342,60 @@ FAMILIES += [
      dict(encoder=dict(_LLAMA, head_dim=16, sliding_window=8), decoder=dict(_LLAMA, head_dim=16, sliding_window=8),
           **_S2S_IDS), None),
 ]
+# More families (session 28): Llama relatives whose blocks differ (ReLU^2 MLPs, sub-norms, Q/K
+# norms after rotary, interleaved partial rotary, clipped QKV), more mixture-of-experts routers (and
+# JetMoE's mixture of attention heads), state-space and linear-attention hybrids and a pure Mamba
+# (transfuse must leave what it does not know exactly as it was), encoders with task embeddings,
+# pre-norm, full-attention BigBird and Funnel's pooling, and three more encoder-decoders.
+FAMILIES += [
+    ("arcee", "dec", "ArceeConfig", "ArceeForCausalLM", dict(_LLAMA), None),  # ReLU^2 MLP without a gate
+    ("bitnet", "dec", "BitNetConfig", "BitNetForCausalLM", dict(_LLAMA), None),  # sub-norms inside attention and MLP
+    ("dbrx", "dec", "DbrxConfig", "DbrxForCausalLM",  # fused Wqkv with clipping, 4 experts top 2
+     dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+          attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+          ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2), **IDS), None),
+    ("doge", "dec", "DogeConfig", "DogeForCausalLM", dict(_LLAMA), None),  # dynamic mask attention
+    ("dots1", "dec", "Dots1Config", "Dots1ForCausalLM",  # Q/K norms, DeepSeek-style routed and shared experts
+     dict(_LLAMA, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+          first_k_dense_replace=1, n_group=1, topk_group=1), None),
+    ("glm", "dec", "GlmConfig", "GlmForCausalLM", dict(_LLAMA, head_dim=16), None),  # interleaved partial rotary
+    ("glm4_moe", "dec", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+     dict(_LLAMA, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+          first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True), None),
+    ("hunyuan_v1_dense", "dec", "HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM",  # Q/K norms after rotary
+     dict(_LLAMA, head_dim=16), None),
+    ("hunyuan_v1_moe", "dec", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+     dict(_LLAMA, head_dim=16, num_experts=4, moe_topk=2), None),
+    ("jetmoe", "dec", "JetMoeConfig", "JetMoeForCausalLM",  # mixture of attention heads and of MLPs
+     dict(hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, intermediate_size=96,
+          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, **IDS), None),
+    ("minimax", "dec", "MiniMaxConfig", "MiniMaxForCausalLM",  # lightning (linear) attention, then softmax attention
+     dict(_LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+          layer_types=["linear_attention", "full_attention"], block_size=8), None),
+    ("ministral", "dec", "MinistralConfig", "MinistralForCausalLM",
+     dict(_LLAMA, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    ("nanochat", "dec", "NanoChatConfig", "NanoChatForCausalLM", dict(_LLAMA, head_dim=16), None),  # weightless norms
+    ("vaultgemma", "dec", "VaultGemmaConfig", "VaultGemmaForCausalLM", dict(_LLAMA, head_dim=16, sliding_window=8), None),
+    ("flex_olmo", "dec", "FlexOlmoConfig", "FlexOlmoForCausalLM", dict(_LLAMA, num_experts=4, num_experts_per_tok=2), None),
+    ("mamba", "dec", "MambaConfig", "MambaForCausalLM",  # no attention at all
+     dict(hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, use_mambapy=False, **IDS), None),
+    ("falcon_h1", "dec", "FalconH1Config", "FalconH1ForCausalLM",  # Mamba-2 beside attention in every layer
+     dict(_LLAMA, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+          mamba_chunk_size=8), None),
+    ("ctrl", "dec", "CTRLConfig", "CTRLLMHeadModel",  # sinusoidal positions, no causal-mask buffer
+     dict(n_embd=64, n_layer=2, n_head=4, dff=96, n_positions=64, **IDS), None),
+    ("ernie", "enc", "ErnieConfig", "ErnieForMaskedLM", dict(_ENC, use_task_id=True), None),  # task-type embeddings
+    ("roberta-prelayernorm", "enc", "RobertaPreLayerNormConfig", "RobertaPreLayerNormForMaskedLM", dict(_ENC), None),
+    ("bigbird", "enc", "BigBirdConfig", "BigBirdForMaskedLM", dict(_ENC, attention_type="original_full"), None),
+    ("funnel", "enc", "FunnelConfig", "FunnelForMaskedLM",  # relative attention, pooling between blocks
+     dict(d_model=64, n_head=4, d_head=16, d_inner=96, block_sizes=[1, 1], vocab_size=VOCAB, pad_token_id=1), None),
+    ("mvp", "s2s", "MvpConfig", "MvpForConditionalGeneration", dict(_BART, max_position_embeddings=64), None),
+    ("bigbird_pegasus", "s2s", "BigBirdPegasusConfig", "BigBirdPegasusForConditionalGeneration",
+     dict(_BART, max_position_embeddings=64, attention_type="original_full"), None),
+    ("nllb_moe", "s2s", "NllbMoeConfig", "NllbMoeForConditionalGeneration",  # top-2 experts with capacity
+     dict(_BART, max_position_embeddings=64, num_experts=4, expert_capacity=8, encoder_sparse_step=2,
+          decoder_sparse_step=2), None),
+]
 BY_NAME = {f[0]: f for f in FAMILIES}
 
 

@@ -137,6 +137,20 @@ def test_rms_norm(shape, dtype, atol, flavour):
     _assert_close_to_same_dtype(out, torch_same)
 
 
+@pytest.mark.parametrize("cast_before_weight", [True, False])
+@pytest.mark.parametrize("weight_dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_of_fp32_x_with_a_half_weight_promotes_like_eager(weight_dtype, cast_before_weight):
+    """Mamba's fp32 residual stream normed with a half-precision weight: eager's `weight * h` takes
+    the product in fp32 (type promotion); the kernel widens the weight exactly and gives the same."""
+    eps = 1e-5
+    x = 3 * _randn((5, 48), torch.float32)
+    weight = _randn((48,), weight_dtype)
+    out = rms_norm_fwd(x, weight, eps, 0.0, cast_before_weight)
+    eager = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # MambaRMSNorm.forward for fp32 x
+    assert out.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(out, eager)
+
+
 @pytest.mark.parametrize("flavour", ["llama", "gemma"])
 @pytest.mark.parametrize("store_sum", [False, True])
 @pytest.mark.parametrize("dtype,atol", DTYPES)

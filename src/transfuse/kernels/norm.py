@@ -288,13 +288,16 @@ def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=N
     out_dtype says otherwise (the result then rounded once to it, as a cast after the norm rounds).
 
     cast_before_weight=True (Llama, T5): `weight * h.to(x.dtype)` promotes to the wider of the two
-    dtypes in eager, so the weight must have x's dtype for the output to be x's. With
-    cast_before_weight=False (Gemma, F.rms_norm) the product is taken in fp32 and cast to x's dtype,
-    so the weight may also be fp32. weight=None means no scale, where an offset would mean nothing."""
+    dtypes in eager, so the weight must have x's dtype, or a narrower one, for the output to be x's.
+    With cast_before_weight=False (Gemma, F.rms_norm) the product is taken in fp32 and cast to x's
+    dtype, so the weight may also be fp32. A narrower weight (fp16 or bf16 for an fp32 x: Mamba's
+    fp32 residual stream under half weights) is widened exactly, and the product is the fp32 one
+    eager's type promotion takes. weight=None means no scale, where an offset would mean nothing."""
     _check_input(x)
     if residual is not None:
         _check_residual(x, residual)
-    allowed = (x.dtype,) if cast_before_weight else (x.dtype, torch.float32)
+    narrower = tuple(d for d in _SUPPORTED_DTYPES if d != x.dtype and torch.promote_types(d, x.dtype) == x.dtype)
+    allowed = (x.dtype, *narrower) if cast_before_weight else (x.dtype, torch.float32, *narrower)
     _check_affine(weight, x, "weight", allowed)
     if weight is None and weight_offset != 0.0:
         raise ValueError("transfuse norm: weight_offset must be 0.0 when there is no weight")
