@@ -486,6 +486,11 @@ def _dynamo_alone(model):
     return torch.compile(copy.deepcopy(model), backend="eager", dynamic=True)
 
 
+def _cuda_fault(exc: BaseException) -> bool:
+    """A device-side fault (misaligned address, illegal memory access...): the CUDA context is lost."""
+    return "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError"
+
+
 def _logits(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -552,6 +557,8 @@ class Unit:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - any eager failure makes the check a SKIP
+            if _cuda_fault(exc):
+                raise  # sticky: raised by the first call after the faulting kernel, which may be ours
             raise EagerFailed(_short(exc)) from exc
 
     def _compared(self, out, variant: str | None, mask) -> list[tuple[str, object]]:
@@ -880,7 +887,7 @@ class Unit:
                     "sample": ("sample", lambda: self.sample(eager, ours, SEQS[0])),
                     "long": ("gen_long", lambda: self.generate(eager, ours, SEQS[0], 2, ref, LONG_TOKENS)),
                 }[extra])
-        for check, fn in checks:
+        for i, (check, fn) in enumerate(checks):
             t = time.perf_counter()
             try:
                 result = fn()
@@ -888,6 +895,17 @@ class Unit:
                 result = dict(status="SKIP", reason=f"{check}: eager {self.dtype} fails too: {exc}")
             except Exception as exc:  # noqa: BLE001
                 result = dict(status="FAIL", reason=f"{check}: {_short(exc)}", traceback=traceback.format_exc())
+                if _cuda_fault(exc):
+                    # The process's CUDA context is lost: every later call raises the same error.
+                    # The faulting kernel is the last one launched before the call that raised,
+                    # eager's or transfuse's; --blocking (CUDA_LAUNCH_BLOCKING=1) names it.
+                    result["reason"] += (" (a CUDA fault is reported by the first call after the kernel that "
+                                         "made it, eager's or transfuse's; rerun with --blocking to find it)")
+                    self.record(check, result.pop("status"), seconds=round(time.perf_counter() - t, 2), attn=attn,
+                                **result)
+                    for later, _ in checks[i + 1:]:
+                        self.record(later, "NOTRUN", reason=f"the CUDA context was lost at {check}")
+                    return self.records
             self.record(check, result.pop("status"), seconds=round(time.perf_counter() - t, 2), attn=attn, **result)
         changed = [k for k, v in ours.state_dict().items() if k not in saved or not torch.equal(v, saved[k])]
         missing = [k for k in saved if k not in ours.state_dict()]
@@ -1192,6 +1210,8 @@ def main(argv=None) -> int:
     p.add_argument("--unit-timeout", type=float, default=None,
                    help="seconds one (family, dtype) may take before its worker is killed (default 180 cuda, 1200 cpu)")
     p.add_argument("--heartbeat", type=float, default=60.0, help="seconds between 'still running' lines")
+    p.add_argument("--blocking", action="store_true",
+                   help="CUDA_LAUNCH_BLOCKING=1 in the workers: a CUDA fault is raised by the kernel that made it")
     p.add_argument("--precompile", action="store_true",
                    help="keep transfuse's parallel precompile of every bucket (off by default: TRANSFUSE_PRECOMPILE=0)")
     p.add_argument("--seqs", default="13,37", help="the two input lengths of the forward and generate checks")
@@ -1215,6 +1235,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
     if not args.precompile:
         os.environ.setdefault("TRANSFUSE_PRECOMPILE", "0")
+    if args.blocking:
+        os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # before the workers (and CUDA) start
     if args.worker:
         worker(args)
         return 0
