@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import _hashable, add_buffer, method_name, replace_by_buffer, tensor_meta
+from transfuse.passes.graph import _hashable, method_name, replace_by_buffer, tensor_meta
 
 # Factories that build a tensor from Python numbers: `device=` says where.
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.tensor}
@@ -190,18 +190,13 @@ def _fold_values_move_shapes(gm: fx.GraphModule, chain: list[fx.Node], device: t
     if not shaped or not all(_moves_only(n) and n.args and n.args[0] in members for n in shaped):
         return False
     frontier = [n for n in chain if n in fixed_set and any(u not in fixed_set for u in n.users)]
-    values = _values(gm, [n for n in chain if n in fixed_set])
-    for node in frontier:
-        value = values[node].to(device)
-        with gm.graph.inserting_before(node):
-            constant = gm.graph.get_attr(add_buffer(gm, "_transfuse_host_", value))
-        constant.meta = dict(node.meta)
-        constant.meta["example_value"] = value
-        node.replace_all_uses_with(constant, delete_user_cb=lambda user: user not in fixed_set)
+    values = _values(gm, [n for n in chain if n in fixed_set])  # before any node is replaced
+    for node in frontier:  # its fixed readers, if any, are dead once every frontier node is a constant
+        replace_by_buffer(gm, node, "_transfuse_host_", values[node].to(device))
     for node in shaped:
         _set_device_meta(node, device)
     for node in reversed(chain):
-        if node in fixed_set and not node.users:
+        if node in fixed_set and not getattr(node, "_erased", False) and not node.users:
             gm.graph.erase_node(node)
     return True
 
