@@ -670,21 +670,27 @@ class Unit:
                                               f"without transfuse gives {err_dynamo:.2e}", **fields)
         return dict(status="FAIL", reason=f"{reason}; Dynamo alone {err_dynamo:.2e}", **fields)
 
-    def fp32_gap(self, fp32_model, kw: dict, row: int, prefix, prompt: int, a: int, b: int) -> float:
-        """The fp32 model's logit of token a minus that of token b, after `prefix` (the tokens both
-        runs agree on) of one row: whether the fp32 model too prefers eager's token."""
+    def fp32_logits(self, fp32_model, kw: dict, row: int, tokens, prompt: int):
+        """The fp32 model's logits (fp32, one row per position) after each of `tokens`: an
+        encoder-decoder's decoder tokens over the row's encoder input, or a decoder's prompt
+        (`prompt` tokens, the row's padding kept) and what follows it."""
         import torch
 
+        tokens = tokens.to(self.device)
         with torch.no_grad():
             if self.kind == "s2s":
                 out = fp32_model(input_ids=kw["input_ids"][row:row + 1], attention_mask=kw["attention_mask"][row:row + 1],
-                          decoder_input_ids=prefix[None].to(self.device))
+                                 decoder_input_ids=tokens[None])
             else:
-                n = prefix.shape[0]
-                mask = torch.ones(1, n, dtype=kw["attention_mask"].dtype)
-                mask[0, :prompt] = kw["attention_mask"][row].cpu()
-                out = fp32_model(input_ids=prefix[None].to(self.device), attention_mask=mask.to(self.device))
-        logits = _logits(out)[0, -1].float()
+                mask = torch.ones(1, tokens.shape[0], dtype=kw["attention_mask"].dtype, device=self.device)
+                mask[0, :prompt] = kw["attention_mask"][row]
+                out = fp32_model(input_ids=tokens[None], attention_mask=mask)
+        return _logits(out)[0].float()
+
+    def fp32_gap(self, fp32_model, kw: dict, row: int, prefix, prompt: int, a: int, b: int) -> float:
+        """The fp32 model's logit of token a minus that of token b, after `prefix` (the tokens both
+        runs agree on) of one row: whether the fp32 model too prefers eager's token."""
+        logits = self.fp32_logits(fp32_model, kw, row, prefix, prompt)[-1]
         return float(logits[a] - logits[b])
 
     def fp32_score(self, fp32_model, kw: dict, row: int, sequence) -> float:
@@ -693,19 +699,13 @@ class Unit:
         import torch
 
         sequence = sequence.to(self.device)
-        with torch.no_grad():
-            if self.kind == "s2s":
-                new = sequence[1:]
-                out = fp32_model(input_ids=kw["input_ids"][row:row + 1], attention_mask=kw["attention_mask"][row:row + 1],
-                                 decoder_input_ids=sequence[None, :-1])
-                logits = _logits(out)[0].float()
-            else:
-                prompt = kw["input_ids"].shape[1]
-                new = sequence[prompt:]
-                mask = torch.ones(1, sequence.shape[0], dtype=kw["attention_mask"].dtype, device=self.device)
-                mask[0, :prompt] = kw["attention_mask"][row]
-                out = fp32_model(input_ids=sequence[None], attention_mask=mask)
-                logits = _logits(out)[0, prompt - 1:-1].float()
+        if self.kind == "s2s":  # after the decoder's start token
+            new = sequence[1:]
+            logits = self.fp32_logits(fp32_model, kw, row, sequence[:-1], 1)
+        else:
+            prompt = kw["input_ids"].shape[1]
+            new = sequence[prompt:]
+            logits = self.fp32_logits(fp32_model, kw, row, sequence, prompt)[prompt - 1:-1]
         # a beam that ended early holds its EOS, then padding (which may be a token the model emits)
         eos = fp32_model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
