@@ -17,6 +17,12 @@ def rewrite_counts(model: torch.nn.Module) -> Counter:
     return counts
 
 
+def graph_records(model: torch.nn.Module) -> list:
+    """Every graph's record over all of the optimized model's backends (one per compile: a model
+    recompiled after a change has several)."""
+    return [r for b in model._transfuse_state.backends for r in b.records]
+
+
 def optimize_and_run(model: torch.nn.Module, *args, **kwargs):
     """(output, rewrites Counter, rejections list) of the optimized model on these inputs."""
     transfuse.optimize(model)

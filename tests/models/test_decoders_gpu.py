@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import transfuse
-from tests.helpers import rel_err
+from tests.helpers import graph_records, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -202,7 +202,7 @@ def test_prophetnet_generate_with_graphs_equals_eager():
         pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=0)
     model = transformers.ProphetNetForConditionalGeneration(config)
     opt = _generate_equals_eager(model, batch=3, seq=13, left_pad=(1, 3), new_tokens=(6, 10))
-    records = [r for b in opt._transfuse_state.backends for r in b.records]
+    records = graph_records(opt)
     assert records and not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), \
         transfuse.report(opt)
     assert sum(r.cuda_graphs for r in records) >= len(records) // 2, transfuse.report(opt)
@@ -223,7 +223,7 @@ def test_llama4_chunked_attention_generates_on_the_static_cache_with_graphs():
     opt = _generate_equals_eager(model, batch=3, seq=13, left_pad=(1, 3), new_tokens=(6, 20))
     loop = opt._transfuse_state.decode_loop
     assert loop.steps_replayed > 0 and not loop.left_to_hf, transfuse.report(opt)
-    records = [r for b in opt._transfuse_state.backends for r in b.records]
+    records = graph_records(opt)
     assert not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), transfuse.report(opt)
 
 
@@ -254,5 +254,5 @@ def test_forwards_that_build_host_tensors_keep_cuda_graphs(build):
         with torch.no_grad():
             want, got = model(input_ids=ids).logits, opt(input_ids=ids).logits
         assert rel_err(got, want) < 1e-4, seq
-    records = [r for b in opt._transfuse_state.backends for r in b.records]
+    records = graph_records(opt)
     assert records and not any(j.pattern == "CudaGraphs" for r in records for j in r.rejections), transfuse.report(opt)

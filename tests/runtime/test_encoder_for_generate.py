@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import transfuse
+from tests.helpers import graph_records
 from tests.models.test_encoder_decoder_families import FAMILIES
 
 # Host-side logic on tiny fp32 CPU models through the interpreter (exact token equality); on a GPU
@@ -39,7 +40,7 @@ def test_encoder_compiled_for_generate(family):
                model.generate(ids[:1, :7], max_new_tokens=3, do_sample=False)]
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
     state = model._transfuse_state
-    encoder_records = [r for b in state.encoder_call._transfuse_state.backends for r in b.records]
+    encoder_records = graph_records(state.encoder_call)
     assert encoder_records and sum(encoder_records[0].rewrites.values()) > 0
     assert "the encoder runs compiled on its own" in transfuse.report(model)
     # generate() alone never traced the model's forward with the encoder inside
@@ -101,7 +102,7 @@ def test_an_encoder_whose_trace_breaks_runs_as_written():
     report = transfuse.report(model)
     assert "the encoder runs as Hugging Face wrote it (its trace breaks into" in report, report
     state = model._transfuse_state
-    assert len([r for b in state.encoder_call._transfuse_state.backends for r in b.records]) > 1
+    assert len(graph_records(state.encoder_call)) > 1
 
 
 def test_bart_fp16_encoder_compiles_whole():
