@@ -32,6 +32,9 @@ from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_
 MAX_N = 65536
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes narrower than each (that promote to it): an RMSNorm weight may be one of them.
+_NARROWER = {dt: tuple(d for d in _SUPPORTED_DTYPES if d != dt and torch.promote_types(d, dt) == dt)
+             for dt in _SUPPORTED_DTYPES}
 
 # Up to this many rows each row gets its own program: a few rows' latency is one program's, and
 # grouping them leaves SMs idle. Measured on an H100 (bench/kernels/bench_norm_small_rows.py,
@@ -296,7 +299,7 @@ def check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual=N
     _check_input(x)
     if residual is not None:
         _check_residual(x, residual)
-    narrower = tuple(d for d in _SUPPORTED_DTYPES if d != x.dtype and torch.promote_types(d, x.dtype) == x.dtype)
+    narrower = _NARROWER.get(x.dtype, ())
     allowed = (x.dtype, *narrower) if cast_before_weight else (x.dtype, torch.float32, *narrower)
     _check_affine(weight, x, "weight", allowed)
     if weight is None and weight_offset != 0.0:
