@@ -434,23 +434,41 @@ def test_causal_mask_buffer_is_read_however_dynamo_spells_the_comparison(monkeyp
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_dropout_on_probabilities_viewed_to_heads_is_left_as_written():
-    """XGLM in training with dropout on its attention probabilities: its 3-D scores are viewed to
-    (batch, heads, ...) and floored, which the SDPA that dropout attention becomes would not read, so
-    the attention stays as written (with the reason) and the loss and gradients are eager's under
-    one seed."""
-    config = transformers.XGLMConfig(d_model=32, num_layers=1, attention_heads=2, ffn_dim=48,
-                                     max_position_embeddings=32, vocab_size=97, attention_dropout=0.3, dropout=0.0,
-                                     activation_dropout=0.0)
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.3])
+def test_floored_attention_in_training_is_left_as_written(attention_dropout):
+    """XGLM in training: its 3-D scores are viewed to (batch, heads, ...) for the mask and floored by
+    `torch.max(scores, finfo.min)`. With left padding and labels a padded query that sees no key
+    still predicts the first real token; all its scores tie at the floor, and torch.max passes half
+    of their gradient, which the training kernel's backward would not (q and k gradients 10% off:
+    found by bench/train_sweep.py). Dropout on those probabilities is a second reason (the SDPA it
+    would become reads neither the views nor the floor). The attention stays as written, with the
+    reason, and the loss and gradients are eager's under one seed."""
+    config = transformers.XGLMConfig(d_model=32, num_layers=2, attention_heads=2, ffn_dim=48,
+                                     max_position_embeddings=32, vocab_size=97, attention_dropout=attention_dropout,
+                                     dropout=0.0, activation_dropout=0.0)
     torch.manual_seed(0)
     model = transformers.XGLMForCausalLM(config).train()
+    with torch.no_grad():  # past the near-identity initialisation, so that q and k gradients show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.1))
     reference = copy.deepcopy(model)
     ids = torch.randint(3, 97, (2, 9))
-    _optimized_and_reference_losses(model, reference, ids)
-    # the key bias's gradient is zero but for rounding (softmax ignores a shift of a row): measured
-    # against the largest gradient, not its own
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: row 1's first three queries see no key
+    labels = ids.masked_fill(mask == 0, -100)
+    transfuse.optimize(model)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(7)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # the key biases' gradients are zero but for rounding (softmax ignores a shift of a row)
     scale = max(r.grad.norm().item() for r in reference.parameters() if r.grad is not None)
-    for p, r in zip(model.parameters(), reference.parameters()):
-        assert (p.grad - r.grad).norm().item() < 1e-5 * scale
+    errors = {n: e for n, e in _grad_errors(model, reference).items()
+              if dict(reference.named_parameters())[n].grad.norm() > 1e-6 * scale}
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: kv[1])[-3:]
     reasons = [r.reason for record in model._transfuse_state.backend.records for r in record.rejections]
-    assert "ManualAttention" not in rewrite_counts(model) and any("viewed to heads or floored" in r for r in reasons)
+    assert "ManualAttention" not in rewrite_counts(model)
+    assert any("clamped at finfo.min in a training graph" in r for r in reasons), reasons

@@ -86,6 +86,13 @@ def run(ctx: PassContext) -> None:
             ctx.reject(pattern, node, "a value head dim other than the query's in a training graph "
                                       "(the training kernel has one head dim)")
             continue
+        if ctx.training and spec.get("floor") is not None:
+            # torch.max(scores, finfo.min) splits the gradient of a tie in half: a query that sees no
+            # key (left padding) has every score at the floor, and eager passes half of dS to q and k
+            # there, which the training kernel's backward does not.
+            ctx.reject(pattern, node, "scores clamped at finfo.min in a training graph (eager's backward halves "
+                                      "the gradient of queries that see no key; the training kernel does not)")
+            continue
         if spec.get("dropout_p", 0.0) and (spec.get("heads_shape") is not None or spec.get("floor") is not None):
             ctx.reject(pattern, node, "dropout on probabilities viewed to heads or floored (the SDPA it would become "
                                       "reads neither)")
