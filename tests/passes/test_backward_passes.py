@@ -1,6 +1,6 @@
 """The backward-graph passes on small hand-built aten graphs (what AOTAutograd hands
-runtime/training_graphs.py): passes/backward_column_sum.py, backward_fp32_grads.py and
-backward_packed_qkv.py. Whole models through them: tests/training/test_training_graphs.py."""
+runtime/training_graphs.py): passes/backward_column_sum.py, backward_fp32_grads.py,
+backward_packed_qkv.py and backward_views.py. Whole models through them: tests/training/test_training_graphs.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from transfuse.passes import backward_column_sum, backward_fp32_grads, backward_packed_qkv
+from transfuse.passes import backward_column_sum, backward_fp32_grads, backward_packed_qkv, backward_views
 from transfuse.passes.manager import backward_registry
 
 aten = torch.ops.aten
@@ -115,7 +115,28 @@ def test_a_gemm_read_by_anything_else_keeps_its_rounding():
 
 def test_backward_passes_are_named_for_disable():
     names = [p.name for p in backward_registry()]
-    assert names == ["backward_bias_grad", "backward_packed_qkv", "backward_column_sum", "backward_fp32_grads"]
+    assert names == ["backward_bias_grad", "backward_packed_qkv", "backward_column_sum", "backward_fp32_grads",
+                     "backward_views"]
+
+
+def test_a_view_traced_on_a_contiguous_tensor_takes_the_strides_a_kernel_returns():
+    # Doge's backward: an element-wise backward kernel returned a permuted tensor where the trace
+    # had a contiguous one, and the view after it raised inside loss.backward().
+    gm = _graph(lambda g, x: [g.call_function(aten.view.default, (g.call_function(aten.mul.Tensor, (x, 2.0)), [12]))],
+                torch.randn(3, 4))
+    permuted = torch.randn(4, 3).t()  # what the kernel hands over at run time
+    try:
+        gm(permuted)
+        raise AssertionError("the traced view accepted a permuted tensor: this test no longer shows the failure")
+    except RuntimeError as e:
+        assert "view size is not compatible" in str(e)
+    assert backward_views.run(gm) == 1
+    assert aten.view.default not in _targets(gm) and aten.reshape.default in _targets(gm)
+    (out,) = gm(permuted)
+    assert torch.equal(out, (permuted * 2.0).reshape(12))
+    contiguous = torch.randn(3, 4)
+    (out,) = gm(contiguous)
+    assert out._base is not None and torch.equal(out, (contiguous * 2.0).view(12))  # still a view where one fits
 
 
 def _attention_backward_graph(addend_after_dbias_read: bool):

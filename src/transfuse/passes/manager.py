@@ -116,7 +116,8 @@ class BackwardPass:
 def backward_registry() -> list[BackwardPass]:
     """Passes over AOTAutograd's backward graph of a training graph (runtime/training_graphs.py), in
     order; `disable` names them as it names forward passes."""
-    from transfuse.passes import backward_bias_grad, backward_column_sum, backward_fp32_grads, backward_packed_qkv
+    from transfuse.passes import (backward_bias_grad, backward_column_sum, backward_fp32_grads, backward_packed_qkv,
+                                  backward_views)
 
     return [
         BackwardPass("backward_bias_grad", backward_bias_grad.PATTERN, backward_bias_grad.run,
@@ -127,6 +128,8 @@ def backward_registry() -> list[BackwardPass]:
                      "any other sum over all dims but the last -> transfuse.bias_grad"),
         BackwardPass("backward_fp32_grads", backward_fp32_grads.PATTERN, backward_fp32_grads.run,
                      "a 16-bit weight or bias gradient widened to fp32 -> written in fp32 by its GEMM or sum"),
+        BackwardPass("backward_views", backward_views.PATTERN, backward_views.run,
+                     "every view -> a reshape (last: torch's backward kernels may return other strides than traced)"),
     ]
 
 
