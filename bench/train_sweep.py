@@ -1,7 +1,7 @@
-"""Training sweep: every family of bench/family_sweep.py in train mode (dropouts 0), left padding for
-decoders and right padding for encoder inputs, through transfuse.optimize(training_graphs=...): the
-loss of a weighted square of the logits (or hidden states) on the unpadded positions and every
-parameter's gradient against eager fp32 (relative norm < 1e-4, key biases' exact-zero gradients
+"""Training sweep: every family of bench/family_sweep.py in train mode (dropouts and router jitter
+0), left padding for decoders and right padding for encoder inputs, through
+transfuse.optimize(training_graphs=...): the loss of a weighted square of the logits (or hidden
+states) on the unpadded positions and every parameter's gradient against eager fp32 (relative norm < 1e-4, key biases' exact-zero gradients
 skipped); with bf16, under CPU autocast, within 2x eager-bf16's error plus 1e-2.
 
     TRITON_INTERPRET=1 PYTHONPATH=src:. python3 bench/train_sweep.py [families,comma,separated] [1|0] [fp32|bf16] \
@@ -35,7 +35,9 @@ for spec in FAMILIES:
     try:
         cfg = getattr(transformers, config_cls)(**config)
         for k, v in list(vars(cfg).items()):
-            if isinstance(v, float) and ("dropout" in k or "pdrop" in k or k.endswith("_drop")):
+            # dropouts and routers' jitter noise (Switch Transformers multiplies the router input by
+            # uniform noise in training): random draws that differ between the models compared
+            if isinstance(v, float) and ("dropout" in k or "pdrop" in k or k.endswith("_drop") or "jitter" in k):
                 setattr(cfg, k, 0.0)
         if attn is not None:
             cfg._attn_implementation = attn
