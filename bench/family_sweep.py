@@ -16,15 +16,32 @@ transfuse.optimize(); then these checks, one JSON line each in OUT/sweep.jsonl:
   params        the model's state_dict after every call equals the one saved before optimize()
   report        transfuse.report(model) returns a string
 
+Vision and audio families (kinds "img", "vl", "asr", "wav"; MEDIA) get the same forward rule on their
+main output (the first field of the model's output: logits, last_hidden_state or logits_per_image),
+on inputs of their own:
+
+  fwd_b3, fwd_b2  img: pixel_values (batch, 3, H, W), standard normal, at batch 3 and 2 (an image has no
+                padding: every row and patch is compared, and a pooler_output too where the model has one);
+                vl (CLIP): the same images and ids of length 13 and 37 with right padding; logits_per_image,
+                text_embeds and image_embeds compared; asr (Whisper): input_features (batch, mel bins,
+                2 * max_source_positions) at batch 3 and 2, which the encoder needs exactly, and decoder
+                ids of length 7 and 11; decoder logits compared
+  fwd13, fwd37  wav (CTC heads): input_values (3, samples) making 13 and 37 frames; where the feature
+                extractor takes a mask (feat_extract_norm="layer"), rows 1 and 2 padded by 3 and 6 frames'
+                samples, and the logits compared on the frames that are not padding
+  gen_b3, gen_b2  asr: greedy generate() from input_features, as for the encoder-decoders
+
 --extra adds checks (names in EXTRA_CHECKS; "all" for every one): beam search, sampling from a seed,
 a 40-token greedy generate, hidden states, attention probabilities, batch 1 without a mask, and
-inputs_embeds in place of input_ids.
+inputs_embeds in place of input_ids (nomask and embeds are text checks: vision and audio families skip them).
 
 An exception in transfuse's model is a FAIL; one that eager in the same dtype raises too is a SKIP.
 
   CPU (Triton's interpreter, tiny shapes, a few families at a time):
     TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/family_sweep.py --device cpu --dtypes fp32 \
         --only gpt2,llama --out /tmp/sweep
+  Vision and audio only (--only takes the kinds' names too: img, vl, asr, wav):
+    ... --only img,vl,asr,wav
   GPU:
     PYTHONPATH=src python3 bench/family_sweep.py --device cuda --dtypes fp16,bf16,fp32 --out $OUT
   Wider and longer (head dims x4, inputs past the 64-position tables, which grow to fit):
@@ -396,18 +413,60 @@ FAMILIES += [
      dict(_BART, max_position_embeddings=64, num_experts=4, expert_capacity=8, encoder_sparse_step=2,
           decoder_sparse_step=2), None),
 ]
+# Vision and audio (session 29): vision transformers on 32x32 images in 8x8 patches (16 patches, hd 16),
+# CLIP's two towers, Swin's shifted windows, Whisper (an encoder-decoder from log-mel frames, with
+# generate()) and CTC heads on raw waveforms. ConvNeXt (no attention) and the detection heads
+# (YOLOS, DETR) are left out.
+# kind: "img" (pixel_values), "vl" (CLIP: input_ids with right padding and pixel_values), "asr" (speech
+# encoder-decoder: input_features, decoder ids, generate), "wav" (input_values, CTC logits per frame).
+_IMG = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=96)  # ViT-B/16: 224, 16, 768, 12, 12, 3072
+_WAV = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,  # base: 768, 12, 12
+            conv_dim=(32, 32, 32), conv_kernel=(8, 3, 3), conv_stride=(4, 2, 2),  # 16 samples a frame (320)
+            num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,  # 128, 16
+            vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+FAMILIES += [
+    ("vit", "img", "ViTConfig", "ViTForImageClassification", dict(_IMG, num_labels=10), None),  # CLS head
+    ("deit", "img", "DeiTConfig", "DeiTModel", dict(_IMG), None),  # CLS and distillation tokens
+    ("beit", "img", "BeitConfig", "BeitModel",  # relative position bias in every layer, layer scale, mean pooling
+     dict(_IMG, use_relative_position_bias=True, layer_scale_init_value=0.1), None),
+    ("data2vec-vision", "img", "Data2VecVisionConfig", "Data2VecVisionModel",  # BEiT with one shared bias table
+     dict(_IMG, use_shared_relative_position_bias=True, layer_scale_init_value=0.1), None),
+    ("dinov2", "img", "Dinov2Config", "Dinov2Model",  # layer scale; MLP width from mlp_ratio (128)
+     dict({k: v for k, v in _IMG.items() if k != "intermediate_size"}, mlp_ratio=2), None),
+    ("siglip", "img", "SiglipVisionConfig", "SiglipVisionModel", dict(_IMG), None),  # no CLS, attention-pooling head
+    ("clip", "vl", "CLIPConfig", "CLIPModel",  # causal text tower (pools at the highest id: eos 2), vision tower
+     dict(text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                           max_position_embeddings=64, **IDS),
+          vision_config=dict(_IMG), projection_dim=32), None),
+    # Swin's widths are embed_dim times 2 per stage: --scale leaves them (embed_dim is not in _WIDTHS).
+    ("swin", "img", "SwinConfig", "SwinModel",  # 8x8 patches of 4, windows of 4 shifted by 2, then 4x4 (no shift)
+     dict(image_size=32, patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4, mlp_ratio=2.0),
+     None),
+    ("whisper", "asr", "WhisperConfig", "WhisperForConditionalGeneration",  # 32 mel frames -> 16 positions, hd 16
+     dict(num_mel_bins=16, max_source_positions=16, max_target_positions=64, d_model=64, encoder_layers=2,  # 80, 1500, 448
+          decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+          decoder_ffn_dim=96, suppress_tokens=None, begin_suppress_tokens=None,
+          **dict(_S2S_IDS, decoder_start_token_id=BOS)), None),
+    ("wav2vec2", "wav", "Wav2Vec2Config", "Wav2Vec2ForCTC",  # layer-norm feature extractor, pre-norm: takes a mask
+     dict(_WAV, feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True), None),
+    ("hubert", "wav", "HubertConfig", "HubertForCTC", dict(_WAV), None),  # group-norm extractor, post-norm: no mask
+]
+MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
+GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
 BY_NAME = {f[0]: f for f in FAMILIES}
 
 
 _WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "intermediate_size", "n_inner", "d_ff",
            "encoder_ffn_dim", "decoder_ffn_dim", "head_dim", "d_kv", "rotary_dim", "embedding_size")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_encoder_position_embeddings",
-              "max_decoder_position_embeddings")
+              "max_decoder_position_embeddings", "max_target_positions")
 
 
-def geometry(config: dict) -> dict:
+def geometry(config: dict, nested: bool = False) -> dict:
     """A family's config at the sweep's geometry: widths times SCALE, and position tables that
-    hold the longest input of SEQS plus the generated tokens (in steps of 64)."""
+    hold the longest input of SEQS plus the generated tokens (in steps of 64). nested: the same for
+    the sub-configs given as dicts (CLIP's text_config and vision_config)."""
     longest = max(max(SEQS) + NEW_TOKENS, SEQS[0] + (LONG_TOKENS if "long" in EXTRA else 0)) + 8
     extra = max(0, -(-(longest - 64) // 64) * 64)
     out = dict(config)
@@ -416,6 +475,8 @@ def geometry(config: dict) -> dict:
             out[key] = v * SCALE
         elif key in _POSITIONS and isinstance(v, int):
             out[key] = v + extra
+        elif nested and isinstance(v, dict):
+            out[key] = geometry(v)
     return out
 
 
@@ -424,9 +485,11 @@ def base_name(name: str) -> str:
 
 
 def select(only: str | None, skip: str | None) -> list[str]:
-    """Family names in the order above; --only/--skip name a family (all its variants) or one variant."""
+    """Family names in the order above; --only/--skip name a family (all its variants) or one variant,
+    or a vision/audio kind (img, vl, asr, wav: all its families)."""
     def hit(name, wanted):
-        return name in wanted or base_name(name) in wanted
+        kind = BY_NAME[name][1]
+        return name in wanted or base_name(name) in wanted or (kind in MEDIA and kind in wanted)
     names = [f[0] for f in FAMILIES]
     if only:
         wanted = {w.strip() for w in only.split(",") if w.strip()}
@@ -500,6 +563,7 @@ class Unit:
         self.family, self.dtype, self.device, self.emit = family, dtype, device, emit
         self.spec = BY_NAME[family]
         self.kind = self.spec[1]
+        self.seq2seq = self.kind in ("s2s", "asr")  # generate() starts the decoder from its start token
         self.records: list[dict] = []
         self.logit_diff = 0.0  # max-abs logit difference transfuse vs eager-in-dtype over the forwards
         self.eager_error = 0.0  # max-abs logit error of eager-in-dtype against fp32 over the forwards
@@ -516,7 +580,7 @@ class Unit:
         import transformers
 
         name, kind, config_cls, model_cls, config, attn = self.spec
-        cfg = getattr(transformers, config_cls)(**geometry(config))
+        cfg = getattr(transformers, config_cls)(**geometry(config, nested=kind in MEDIA))
         if attn is not None:
             cfg._attn_implementation = attn
         torch.manual_seed(0)
@@ -535,6 +599,8 @@ class Unit:
         padded by 3 and 6 positions."""
         import torch
 
+        if self.kind in ("img", "asr", "wav"):
+            return self.media_inputs(seq, batch, seed)
         g = torch.Generator().manual_seed(1000 * seq + seed)
         ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
         mask = torch.ones_like(ids)
@@ -550,7 +616,67 @@ class Unit:
         if self.kind == "s2s":
             dec = torch.randint(3, VOCAB, (batch, DECODER_SEQS.get(seq, max(7, seq // 3))), generator=g)
             kw["decoder_input_ids"] = dec.to(self.device)
+        if self.kind == "vl":  # CLIP: the text above (right padding) and as many images
+            kw["pixel_values"] = self.media_inputs(seq, batch, seed, g)["pixel_values"]
         return kw
+
+    def media_inputs(self, seq: int, batch: int, seed: int, g=None) -> dict:
+        """Standard-normal pixel_values (batch, channels, size, size); Whisper's input_features (batch,
+        mel bins, 2 * max_source_positions: its encoder takes no other length) and decoder ids; raw
+        input_values (batch, samples) making `seq` frames, with rows 1 and 2 padded by 3 and 6 frames'
+        samples (zeros, masked) where the feature extractor takes a mask (feat_extract_norm="layer";
+        Hugging Face says group-norm models must be given unpadded inputs and no mask). Float inputs
+        are rounded to the unit's dtype, so that the fp32 reference sees the values the others do;
+        cast() gives each model its own dtype."""
+        import torch
+
+        g = g or torch.Generator().manual_seed(1000 * seq + seed)
+        cfg = self.spec[4]
+        if self.kind in ("img", "vl"):
+            vision = cfg.get("vision_config", cfg)
+            size = vision["image_size"]
+            pixels = torch.randn(batch, vision.get("num_channels", 3), size, size, generator=g)
+            return dict(pixel_values=self._rounded(pixels).to(self.device))
+        if self.kind == "asr":
+            feats = torch.randn(batch, cfg["num_mel_bins"], 2 * cfg["max_source_positions"], generator=g)
+            dec = torch.randint(3, VOCAB, (batch, DECODER_SEQS.get(seq, max(7, seq // 3))), generator=g)
+            return dict(input_features=self._rounded(feats).to(self.device), decoder_input_ids=dec.to(self.device))
+        # "wav": the samples whose convolutions give exactly `seq` frames
+        samples, hop = seq, 1
+        for k, stride in zip(reversed(cfg["conv_kernel"]), reversed(cfg["conv_stride"])):
+            samples, hop = (samples - 1) * stride + k, hop * stride
+        values = torch.randn(batch, samples, generator=g)
+        kw = dict(input_values=values)
+        if cfg.get("feat_extract_norm") == "layer":
+            mask = torch.ones(batch, samples, dtype=torch.long)
+            for row, n in ((1, 3), (2, 6)):
+                if row < batch:
+                    mask[row, samples - n * hop:] = 0
+            kw = dict(input_values=values.masked_fill(mask == 0, 0.0), attention_mask=mask)
+        return {k: self._rounded(v).to(self.device) for k, v in kw.items()}
+
+    def _rounded(self, t):
+        import torch
+
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+        return t.to(dtype).float() if t.is_floating_point() else t
+
+    @staticmethod
+    def cast(kw: dict, model) -> dict:
+        """kw with its float tensors in the model's dtype (token ids and masks as they are): Whisper's
+        and wav2vec2's convolutions do not cast their input to their weights' dtype."""
+        return {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in kw.items()}
+
+    def output_mask(self, model, kw: dict, seq: int):
+        """The positions of the outputs that a forward check compares (None: all of them): the
+        token mask for text, the frames of the samples that are not padding for a waveform; none for
+        images, CLIP's pooled similarities and Whisper's decoder."""
+        if self.kind in ("img", "vl", "asr"):
+            return None
+        if self.kind == "wav":
+            mask = kw.get("attention_mask")
+            return None if mask is None else model._get_feature_vector_attention_mask(seq, mask)
+        return kw.get("attention_mask")
 
     # -- checks ----------------------------------------------------------------------------
     def run_eager(self, fn):
@@ -567,6 +693,12 @@ class Unit:
         import torch
 
         items = [("logits", _logits(out))]
+        # what _logits() took: logits, or the first field set (last_hidden_state, logits_per_image)
+        self.main_output = "logits" if hasattr(out, "logits") else next(iter(out.keys()), "[0]")
+        if self.kind == "img" and isinstance(getattr(out, "pooler_output", None), torch.Tensor):
+            items.append(("pooler_output", out.pooler_output))
+        elif self.kind == "vl":
+            items += [("text_embeds", out.text_embeds), ("image_embeds", out.image_embeds)]
         if variant == "hidden":
             keys = ("hidden_states", "encoder_hidden_states", "decoder_hidden_states")
         elif variant == "attn":
@@ -581,27 +713,28 @@ class Unit:
         cut = []
         for name, t in items:
             t = t.float()
-            on_encoder = self.kind != "s2s" or name.startswith("encoder")
+            on_encoder = not self.seq2seq or name.startswith("encoder")
             if mask is not None and on_encoder:
                 keep = mask.bool()
                 t = t.transpose(1, 2)[keep] if "attentions" in name else t[keep]  # (B, H, Sq, Sk): by query
             cut.append((name, t))
         return cut
 
-    def forward(self, ref, eager, ours, seq: int, variant: str | None = None):
+    def forward(self, ref, eager, ours, seq: int, variant: str | None = None, batch: int = BATCH):
         import torch
 
-        kw = self.inputs(seq, batch=1 if variant == "nomask" else BATCH)
+        kw = self.inputs(seq, batch=1 if variant == "nomask" else batch)
+        keep = self.output_mask(ref, kw, seq)
         if variant == "nomask":
             kw.pop("attention_mask")
         if variant in ("hidden", "attn"):
             kw[f"output_{'hidden_states' if variant == 'hidden' else 'attentions'}"] = True
 
         def call(model):
-            args = dict(kw)
+            args = self.cast(kw, model)
             if variant == "embeds":  # each model embeds with its own (equal) table, in its own dtype
                 args["inputs_embeds"] = model.get_input_embeddings()(args.pop("input_ids"))
-            return self._compared(model(**args), variant, kw.get("attention_mask"))
+            return self._compared(model(**args), variant, keep)
 
         with torch.no_grad():
             want = self.run_eager(lambda: call(ref))
@@ -622,7 +755,7 @@ class Unit:
             with torch.no_grad():
                 # the same history as ours: the plain forwards first (graphs traced without the variant)
                 alone_model = _dynamo_alone(eager)
-                alone_model(**self.inputs(seq))
+                alone_model(**self.cast(self.inputs(seq, batch=batch), eager))
                 alone = call(alone_model)
             if [n for n, _ in alone] == [n for n, _ in got]:
                 return dict(status="SKIP", reason=f"inherited: {reason}; torch.compile(backend='eager', dynamic=True) "
@@ -649,6 +782,8 @@ class Unit:
                                            maxabs_eager=_maxabs(b, w), logit_scale=float(w.abs().max())))
         ratio, name, fields = worst
         fields.update(compared=len(got), worst=name)
+        if self.kind in MEDIA:  # "logits" above is the model's main output: name it
+            fields.update(output=self.main_output, batch=batch)
         if ratio <= 1:
             return dict(status="PASS", reason="", **fields)
         label = f"fwd{seq}" + (f" {variant}" if variant else "") + (f" {name}" if name != "logits" else "")
@@ -678,8 +813,9 @@ class Unit:
 
         tokens = tokens.to(self.device)
         with torch.no_grad():
-            if self.kind == "s2s":
-                out = fp32_model(input_ids=kw["input_ids"][row:row + 1], attention_mask=kw["attention_mask"][row:row + 1],
+            if self.seq2seq:  # the row's encoder inputs: ids and mask, or Whisper's input_features
+                out = fp32_model(**{k: v[row:row + 1] for k, v in self.cast(kw, fp32_model).items()
+                                    if k != "decoder_input_ids"},
                                  decoder_input_ids=tokens[None])
             else:
                 mask = torch.ones(1, tokens.shape[0], dtype=kw["attention_mask"].dtype, device=self.device)
@@ -699,7 +835,7 @@ class Unit:
         import torch
 
         sequence = sequence.to(self.device)
-        if self.kind == "s2s":  # after the decoder's start token
+        if self.seq2seq:  # after the decoder's start token
             new = sequence[1:]
             logits = self.fp32_logits(fp32_model, kw, row, sequence[:-1], 1)
         else:
@@ -720,14 +856,16 @@ class Unit:
         kw = self.inputs(seq, batch=batch, seed=1)
         kw.pop("decoder_input_ids", None)
         gen = dict(max_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=self.spec[4].get("pad_token_id", PAD))
+        scored = dict(output_scores=True, return_dict_in_generate=True)
         with torch.no_grad():
-            ref = self.run_eager(lambda: eager.generate(**kw, **gen, output_scores=True, return_dict_in_generate=True))
-            out = ours.generate(**kw, **gen)
+            ref = self.run_eager(lambda: eager.generate(**self.cast(kw, eager), **gen, **scored))
+            # Whisper's generate() drops the decoder's start token from a plain tensor, not from a dict
+            out = ours.generate(**self.cast(kw, ours), **gen, **(scored if self.kind == "asr" else {}))
         want = ref.sequences.cpu()
         got = out.cpu() if isinstance(out, torch.Tensor) else out.sequences.cpu()
         # what precedes the generated tokens: the prompt, or an encoder-decoder's start token
         # (scores[i] chose sequences[:, prompt + i])
-        prompt = 1 if self.kind == "s2s" else kw["input_ids"].shape[1]
+        prompt = 1 if self.seq2seq else kw["input_ids"].shape[1]
         want, got = self._pad_to(want, got, gen["pad_token_id"])
         scores = [s.float().cpu() for s in ref.scores]
         tie_tol = max(TIE_FACTOR * self.logit_diff, TIE_FLOOR[self.dtype])
@@ -789,8 +927,8 @@ class Unit:
         gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=3, num_return_sequences=3, pad_token_id=fill,
                    output_scores=True, return_dict_in_generate=True)
         with torch.no_grad():
-            ref = self.run_eager(lambda: eager.generate(**kw, **gen))
-            out = ours.generate(**kw, **gen)
+            ref = self.run_eager(lambda: eager.generate(**self.cast(kw, eager), **gen))
+            out = ours.generate(**self.cast(kw, ours), **gen)
         want, got = self._pad_to(ref.sequences.cpu(), out.sequences.cpu(), fill)
         want, got = want.view(2, 3, -1), got.view(2, 3, -1)
         ws, gs = ref.sequences_scores.float().cpu().view(2, 3), out.sequences_scores.float().cpu().view(2, 3)
@@ -836,15 +974,16 @@ class Unit:
         state = torch.cuda.get_rng_state if self.device == "cuda" else torch.get_rng_state
         with torch.no_grad():
             torch.manual_seed(7)
-            want = self.run_eager(lambda: eager.generate(**kw, **gen)).cpu()
+            want = self.run_eager(lambda: eager.generate(**self.cast(kw, eager), **gen)).cpu()
             drawn_eager = state()
             torch.manual_seed(7)
-            got = ours.generate(**kw, **gen).cpu()
+            got = ours.generate(**self.cast(kw, ours), **gen).cpu()
             drawn_ours = state()
         want, got = self._pad_to(want, got, fill)
         equal = sum(bool(torch.equal(want[r], got[r])) for r in range(2))
         same_draws = torch.equal(drawn_eager, drawn_ours)
-        prompt = 1 if self.kind == "s2s" else kw["input_ids"].shape[1]
+        # an encoder-decoder's start token (Whisper's plain tensor has dropped it), or the prompt
+        prompt = {"s2s": 1, "asr": 0}[self.kind] if self.seq2seq else kw["input_ids"].shape[1]
         first_equal = bool(torch.equal(want[:, prompt], got[:, prompt]))
         fields = dict(rows=2, equal=equal, near_ties=0, mismatched=2 - equal, same_draws=same_draws,
                       tokens_match=float((want == got).float().mean()))
@@ -874,14 +1013,20 @@ class Unit:
             self.record("optimize", "FAIL", reason=f"optimize: {_short(exc)}", traceback=traceback.format_exc(),
                         attn=attn)
             return self.records
-        checks = [(f"fwd{s}", lambda s=s: self.forward(ref, eager, ours, s)) for s in SEQS]
-        if self.kind in ("dec", "s2s"):
+        if self.kind in ("img", "vl", "asr"):  # two batch sizes (images and Whisper's frames have one size)
+            checks = [(f"fwd_b{b}", lambda s=s, b=b: self.forward(ref, eager, ours, s, batch=b))
+                      for s, b in zip(SEQS, (BATCH, 2))]
+        else:
+            checks = [(f"fwd{s}", lambda s=s: self.forward(ref, eager, ours, s)) for s in SEQS]
+        if self.kind in GENERATIVE:
             checks += [("gen_b3", lambda: self.generate(eager, ours, SEQS[0], BATCH, ref)),
                        ("gen_b2", lambda: self.generate(eager, ours, SEQS[1], 2, ref))]
         for extra in EXTRA:
+            if extra in ("nomask", "embeds") and self.kind in MEDIA:
+                continue  # text checks: batch 1 unmasked ids, inputs_embeds for ids
             if extra in ("hidden", "attn", "nomask", "embeds"):
                 checks.append((f"fwd_{extra}", lambda v=extra: self.forward(ref, eager, ours, SEQS[0], v)))
-            elif self.kind in ("dec", "s2s"):
+            elif self.kind in GENERATIVE:
                 checks.append({
                     "beam": ("beam", lambda: self.beam(eager, ours, SEQS[0], ref)),
                     "sample": ("sample", lambda: self.sample(eager, ours, SEQS[0])),
