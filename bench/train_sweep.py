@@ -22,7 +22,9 @@ import transformers
 import transfuse
 from family_sweep import FAMILIES, _spread_weights  # this script's folder is on sys.path
 
-names = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else [f[0] for f in FAMILIES]
+# text families only: the vision and audio kinds take pixels, features or waveforms, not input_ids
+names = (sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1]
+         else [f[0] for f in FAMILIES if f[1] in ("dec", "enc", "s2s")])
 graphs = (sys.argv[2] if len(sys.argv) > 2 else "1") == "1"
 autocast = len(sys.argv) > 3 and sys.argv[3] == "bf16"
 device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
