@@ -663,9 +663,12 @@ class Unit:
 
     @staticmethod
     def cast(kw: dict, model) -> dict:
-        """kw with its float tensors in the model's dtype (token ids and masks as they are): Whisper's
+        """kw with its float tensors in the model's dtype (token ids, masks and flags as they are): Whisper's
         and wav2vec2's convolutions do not cast their input to their weights' dtype."""
-        return {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in kw.items()}
+        import torch
+
+        return {k: v.to(model.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in kw.items()}
 
     def output_mask(self, model, kw: dict, seq: int):
         """The positions of the outputs that a forward check compares (None: all of them): the
