@@ -144,3 +144,22 @@ def test_a_trace_error_after_a_graph_ran_is_raised():
     opt = transfuse.optimize(_Untraceable(break_first=True).eval())
     with torch.no_grad(), pytest.raises(torch._dynamo.exc.TorchRuntimeError):
         opt(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_nested_tensor_encoder_padding_is_reported(nested):
+    # nn.TransformerEncoder's eager fast path runs padded batches as nested tensors and returns zeros
+    # at the padded positions; under Dynamo (torch.compile too) it computes them. The real positions
+    # agree and the report says what differs.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=nested).eval()
+    x = torch.randn(2, 7, 16)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    with torch.no_grad():
+        want = model(x, src_key_padding_mask=pad)
+        transfuse.optimize(model)
+        got = model(x, src_key_padding_mask=pad)
+    assert torch.allclose(got[~pad], want[~pad], atol=1e-5)
+    assert ("nested-tensor fast path" in transfuse.report(model)) == nested

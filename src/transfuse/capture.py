@@ -345,6 +345,13 @@ def _untraceable(exc: BaseException) -> str | None:
     return ((f"{op.group(1)}: " if op else "") + cause)[:200]
 
 
+def _nested_tensor_encoders(model: torch.nn.Module) -> bool:
+    """Whether the model holds an nn.TransformerEncoder that eager may run as nested tensors (the
+    padded positions of its output zeros), which no traced graph does."""
+    return any(isinstance(m, torch.nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)
+               for m in model.modules())
+
+
 def _has_empty_tensor(args, kwargs) -> bool:
     return any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in (*args, *kwargs.values()))
 
@@ -375,5 +382,9 @@ def report(model: torch.nn.Module) -> str:
     encoder = _encoder.describe(state)
     if encoder:
         text += f"\n  generate(): {encoder}"
+    if _nested_tensor_encoders(model):
+        text += ("\n  nn.TransformerEncoder(enable_nested_tensor=True): PyTorch skips its nested-tensor fast path "
+                 "under Dynamo (torch.compile too), so positions masked by src_key_padding_mask hold computed "
+                 "values where eager returns zeros; the other positions are eager's")
     log.info(text)
     return text
