@@ -10,7 +10,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import hint, kind, tensor_meta
+from transfuse.passes.graph import arg, hint, kind, tensor_meta
 
 
 @dataclasses.dataclass
@@ -50,7 +50,8 @@ def node_flops(node: fx.Node) -> float:
         # rms_norm_linear(x, residual, norm_weight, eps, offset, cast, weight, ...): its GEMM's weight is
         # arg 6; layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, ...): arg 5
         w_index = {"transfuse.rms_norm_linear": 6, "transfuse.layer_norm_linear": 5}.get(target.split(".default")[0], 1)
-        x, w = tensor_meta(node.args[0]), tensor_meta(node.args[w_index])
+        # F.linear's operands may be keywords (I-BERT: F.linear(x, weight=..., bias=...))
+        x, w = tensor_meta(arg(node, 0, "input")), tensor_meta(arg(node, w_index, "weight"))
         if x is None or w is None:
             return 0.0
         return 2.0 * _numel(x) / _dims(x)[-1] * w.shape[0] * w.shape[1]
@@ -65,7 +66,7 @@ def node_flops(node: fx.Node) -> float:
             return 0.0
         return 2.0 * _numel(out) * _dims(a)[-1]
     if kind(node) == "sdpa" or target.startswith(("transfuse.attention.default", "transfuse.attention_train.default")):
-        q, k, v = (tensor_meta(node.args[i]) if i < len(node.args) else None for i in range(3))
+        q, k, v = (tensor_meta(arg(node, i, name)) for i, name in enumerate(("query", "key", "value")))
         if q is None or k is None or v is None:
             return 0.0
         # q @ k^T over q's head dim, then probs @ v over the keys into v's (DeepSeek: 192 and 128)
