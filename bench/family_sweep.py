@@ -451,6 +451,34 @@ FAMILIES += [
     ("wav2vec2", "wav", "Wav2Vec2Config", "Wav2Vec2ForCTC",  # layer-norm feature extractor, pre-norm: takes a mask
      dict(_WAV, feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True), None),
     ("hubert", "wav", "HubertConfig", "HubertForCTC", dict(_WAV), None),  # group-norm extractor, post-norm: no mask
+    # more text variants (session 29; Nystromformer left out: eager runs only inputs of exactly
+    # segment_means_seq_len tokens)
+    ("gpt2:upcast", "dec", "GPT2Config", "GPT2LMHeadModel",  # scores in fp32 via baddbmm, 1/layer_idx scaling
+     dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, reorder_and_upcast_attn=True,
+          scale_attn_by_inverse_layer_idx=True, **IDS), "eager"),
+    ("modernbert-decoder", "dec", "ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",  # hd 32, local window 8
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, max_position_embeddings=64,
+          local_attention=8, global_attn_every_n_layers=2, **IDS), None),
+    ("xlnet", "enc", "XLNetConfig", "XLNetLMHeadModel",  # two-stream relative attention, hd 16
+     dict(d_model=64, n_layer=2, n_head=4, d_inner=96, vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("longformer", "enc", "LongformerConfig", "LongformerForMaskedLM",  # sliding window of 4 plus global tokens
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, attention_window=[4, 4],
+          max_position_embeddings=80, vocab_size=VOCAB, pad_token_id=1, bos_token_id=0, eos_token_id=2), None),
+    ("luke", "enc", "LukeConfig", "LukeForMaskedLM",  # words only (no entity inputs)
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, entity_vocab_size=10,
+          entity_emb_size=32, max_position_embeddings=66, vocab_size=VOCAB, pad_token_id=1), None),
+    ("xmod", "enc", "XmodConfig", "XmodForMaskedLM",  # per-language adapters after each layer
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+          languages=["en_XX", "de_DE"], default_language="en_XX", vocab_size=VOCAB, pad_token_id=1), None),
+    ("ibert", "enc", "IBertConfig", "IBertForMaskedLM",  # quant_mode off: RoBERTa through I-BERT's own modules
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+          vocab_size=VOCAB, pad_token_id=1), None),
+    ("layoutlm", "enc", "LayoutLMConfig", "LayoutLMForMaskedLM",  # 2-D position embeddings (boxes default to 0)
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          vocab_size=VOCAB, pad_token_id=PAD), None),
+    ("fnet", "enc", "FNetConfig", "FNetForMaskedLM",  # no attention: Fourier mixing
+     dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64, vocab_size=VOCAB,
+          pad_token_id=PAD), None),
 ]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
