@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import traceback
 import weakref
 
 import torch
@@ -220,6 +221,11 @@ def optimize(
                 state.compile()
                 return state.compiled(*args, **kwargs)
             except Exception as exc:
+                if not module_guards and _guard_filter_failure(exc):
+                    raise TransfuseError(
+                        "Dynamo failed to build its guards through transfuse's guard filter (a PyTorch bug; "
+                        "wav2vec2's SpecAugment in training meets it): call transfuse.optimize(model, "
+                        "module_guards=True)") from exc
                 # An empty input (a decoder prompt of length 0, a batch of 0) can fail Dynamo's trace
                 # with a fake-tensor error that says nothing to the user: such a call runs as written,
                 # which gives the model's own result or raises the model's own error; the report counts it.
@@ -350,6 +356,17 @@ def _nested_tensor_encoders(model: torch.nn.Module) -> bool:
     padded positions of its output zeros), which no traced graph does."""
     return any(isinstance(m, torch.nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)
                for m in model.modules())
+
+
+def _guard_filter_failure(exc: BaseException) -> bool:
+    """Whether Dynamo raised while building a frame's guards: with a guard_filter_fn (transfuse's,
+    or any) torch 2.11-2.13 records a tensor guard's export info twice and compares two weakrefs to
+    tensors, "Boolean value of Tensor ... is ambiguous" (wav2vec2 in training: SpecAugment's masks).
+    Without the filter (optimize(module_guards=True)) the same frame compiles."""
+    if not isinstance(exc, torch._dynamo.exc.InternalTorchDynamoError):
+        return False
+    frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+    return "build_guards" in frames or "set_export_info" in frames
 
 
 def _has_empty_tensor(args, kwargs) -> bool:
