@@ -11,6 +11,11 @@ On a GPU (`cuda`, no TRITON_INTERPRET) the same comparison runs on the GPU's ker
 autocast on CUDA. `labels`: decoders also get labels=input_ids, and the loss backpropagated is the
 model's own loss plus the weighted square of its returned logits (the LM head's fused loss, and the
 gradient of logits returned next to it).
+
+Vision and audio families (kinds img, vl, asr, wav) take family_sweep's own inputs at batch 2 (pixel
+values, CLIP's text with right padding, Whisper's features, wav2vec2's masked waveforms); their loss
+is over every position of the main output (logits, last hidden state, or CLIP's image-text logits).
+They run only when named: `bench/train_sweep.py vit,clip,whisper,wav2vec2`.
 """
 import copy
 import sys
@@ -20,7 +25,7 @@ import torch
 import transformers
 
 import transfuse
-from family_sweep import FAMILIES, _spread_weights  # this script's folder is on sys.path
+from family_sweep import FAMILIES, MEDIA, SEQS, Unit, _logits, _spread_weights  # this script's folder is on sys.path
 
 # text families only: the vision and audio kinds take pixels, features or waveforms, not input_ids
 names = (sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1]
@@ -63,6 +68,9 @@ for spec in FAMILIES:
             kw["labels"] = ids.masked_fill(mask == 0, -100)
         kw = {k: v.to(device) for k, v in kw.items()}
         mask = mask.to(device)
+        if kind in MEDIA:
+            kw = Unit(name, "fp32", device.type, lambda record: None).inputs(SEQS[0], batch=2)
+            mask = None  # every position of the output
         transfuse.optimize(model, training_graphs=graphs)
         losses, outs = [], []
         for m, ac in ((model, autocast), (ref, False), (eager, autocast)):
@@ -70,9 +78,9 @@ for spec in FAMILIES:
                 continue
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=ac):
                 out = m(**kw)
-            t = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
-            keep = (mask.bool() if t.shape[1] == mask.shape[1]
-                    else torch.ones(t.shape[:2], dtype=torch.bool, device=device))
+            t = _logits(out)  # logits, else the first field (last_hidden_state, CLIP's logits_per_image)
+            keep = (mask.bool() if mask is not None and t.shape[1] == mask.shape[1]
+                    else torch.ones(t.shape[:-1], dtype=torch.bool, device=device))
             w = torch.linspace(-1, 1, t.shape[-1], device=device)
             loss = (t.float()[keep] * w).square().mean()
             if getattr(out, "loss", None) is not None:
