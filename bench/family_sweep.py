@@ -615,7 +615,7 @@ class Unit:
         ref = getattr(transformers, model_cls)(cfg).eval()
         _spread_weights(ref)
         ref = ref.to(self.device)
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+        dtype = self.torch_dtype()
         eager = copy.deepcopy(ref).to(dtype) if dtype != torch.float32 else copy.deepcopy(ref)
         ours = copy.deepcopy(eager)
         saved = {k: v.detach().clone() for k, v in ours.state_dict().items()}
@@ -683,11 +683,13 @@ class Unit:
             kw = dict(input_values=values.masked_fill(mask == 0, 0.0), attention_mask=mask)
         return {k: self._rounded(v).to(self.device) for k, v in kw.items()}
 
-    def _rounded(self, t):
+    def torch_dtype(self):
         import torch
 
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
-        return t.to(dtype).float() if t.is_floating_point() else t
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+
+    def _rounded(self, t):
+        return t.to(self.torch_dtype()).float() if t.is_floating_point() else t
 
     @staticmethod
     def cast(kw: dict, model) -> dict:

@@ -1,8 +1,9 @@
-"""Training sweep: every family of bench/family_sweep.py in train mode (dropouts and router jitter
-0), left padding for decoders and right padding for encoder inputs, through
-transfuse.optimize(training_graphs=...): the loss of a weighted square of the logits (or hidden
-states) on the unpadded positions and every parameter's gradient against eager fp32 (relative norm < 1e-4, key biases' exact-zero gradients
-skipped); with bf16, under CPU autocast, within 2x eager-bf16's error plus 1e-2.
+"""Training sweep: every family of bench/family_sweep.py in train mode (dropouts, drop paths,
+LayerDrop and router jitter 0), left padding for decoders and right padding for encoder inputs,
+through transfuse.optimize(training_graphs=...): the loss of a weighted square of the logits (or
+hidden states) on the unpadded positions and every parameter's gradient against eager fp32
+(relative norm < 1e-4, key biases' exact-zero gradients skipped); with bf16, under CPU autocast,
+within 2x eager-bf16's error plus 1e-2.
 
     TRITON_INTERPRET=1 PYTHONPATH=src:. python3 bench/train_sweep.py [families,comma,separated] [1|0] [fp32|bf16] \
         [cpu|cuda] [labels]
@@ -45,8 +46,8 @@ for spec in FAMILIES:
             # dropouts, stochastic depth (Swin's drop_path_rate), LayerDrop (wav2vec2's layerdrop) and
             # routers' jitter noise (Switch Transformers multiplies the router input by uniform noise in
             # training): random draws that differ between the models compared
-            random = any(word in k for word in ("dropout", "pdrop", "drop_path", "layerdrop", "jitter"))
-            if isinstance(v, float) and (random or k.endswith("_drop")):
+            drawn = any(word in k for word in ("dropout", "pdrop", "drop_path", "layerdrop", "jitter"))
+            if isinstance(v, float) and (drawn or k.endswith("_drop")):
                 setattr(cfg, k, 0.0)
         if attn is not None:
             cfg._attn_implementation = attn
@@ -56,23 +57,24 @@ for spec in FAMILIES:
         model.to(device)
         ref = copy.deepcopy(model)
         eager = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, 90, (2, 11), generator=g)
-        mask = torch.ones_like(ids)
-        if kind == "dec":
-            mask[1, :3] = 0
-        else:
-            mask[1, 8:] = 0
-        kw = dict(input_ids=ids, attention_mask=mask)
-        if kind == "s2s":
-            kw["decoder_input_ids"] = torch.randint(3, 90, (2, 5), generator=g)
-        if with_labels and kind == "dec":
-            kw["labels"] = ids.masked_fill(mask == 0, -100)
-        kw = {k: v.to(device) for k, v in kw.items()}
-        mask = mask.to(device)
         if kind in MEDIA:
             kw = Unit(name, "fp32", device.type, lambda record: None).inputs(SEQS[0], batch=2)
             mask = None  # every position of the output
+        else:
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, 90, (2, 11), generator=g)
+            mask = torch.ones_like(ids)
+            if kind == "dec":
+                mask[1, :3] = 0
+            else:
+                mask[1, 8:] = 0
+            kw = dict(input_ids=ids, attention_mask=mask)
+            if kind == "s2s":
+                kw["decoder_input_ids"] = torch.randint(3, 90, (2, 5), generator=g)
+            if with_labels and kind == "dec":
+                kw["labels"] = ids.masked_fill(mask == 0, -100)
+            kw = {k: v.to(device) for k, v in kw.items()}
+            mask = mask.to(device)
         transfuse.optimize(model, training_graphs=graphs)
         losses, outs = [], []
         for m, ac in ((model, autocast), (ref, False), (eager, autocast)):
