@@ -2,9 +2,11 @@
 swap-AB tensor-core kernel (transfuse.kernels.gemm_few_rows) over a sweep of its configs, against
 cuBLAS (F.linear + the epilogue as PyTorch ops), transfuse's 16-row Triton GEMM (gemm.linear_fwd
 with the dispatcher's fixed tile, split-K as the dispatcher would time it) and the GEMV.
+--splits-only: the default config at every split (split programs finish in the last one to arrive).
 
     PYTHONPATH=src python3 bench/kernels/bench_few_rows.py                 # 8 rows, llama-1.1b
     PYTHONPATH=src python3 bench/kernels/bench_few_rows.py --m 4,8,16 --models 1.1b,7b --json r.json
+    PYTHONPATH=src python3 bench/kernels/bench_few_rows.py --m 8,16 --models 1.1b,bert-base --splits-only
 
 Method: bench_gemv.py's (one CUDA graph of back-to-back calls over enough weight copies that each
 call reads its weight from HBM; median of --reps replays; every candidate checked against fp32
@@ -59,7 +61,11 @@ def main():
                 lambda i, s=split: gemm_kernels.linear_fwd(x, weights[i], None, act, r, split_k=s, tile=tile))
         candidates["gemv"] = lambda i: gemv_fwd(x, weights[i], None, act, r)
         heuristic = tuple(default_config(gated))
-        configs = sweep_configs(gated, K, elem)
+        if args.splits_only:  # the default tile at every split that keeps whole K steps per split
+            steps = -(-K // heuristic[1])
+            configs = [heuristic[:2] + (s,) + heuristic[3:] for s in range(1, 9) if steps % s == 0]
+        else:
+            configs = sweep_configs(gated, K, elem)
         if heuristic not in configs:
             configs.append(heuristic)
         for conf in configs:

@@ -47,6 +47,10 @@ SHAPES = [
     ("llama-7b", "gate_up+silu_mul", 11008, 4096, "silu_mul", False),
     ("llama-7b", "down+res", 4096, 11008, "none", True),
     ("llama-7b", "lm_head", 32000, 4096, "none", False),
+    ("bert-base", "qkv", 2304, 768, "none", False),
+    ("bert-base", "o+res", 768, 768, "none", True),
+    ("bert-base", "up+gelu", 3072, 768, "gelu", False),
+    ("bert-base", "down+res", 768, 3072, "none", True),
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -70,8 +74,11 @@ def graph_us(call, copies: int, reps: int) -> float:
     for i in range(copies):  # compiles, autotunes and loads every kernel outside the capture
         call(i)
     torch.cuda.synchronize()
+    from transfuse.kernels import split_counters
+
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
+    split_counters.reserve(stream.device, stream)  # as the runtime's capture stream has them
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for i in range(copies):
@@ -111,13 +118,16 @@ def parse_sweep_args(doc: str, m: str, models: str, reps: int):
     defaults: (args, row counts, model names, dtype, element size)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--m", default=m, help="row counts, comma-separated (<= 16)")
-    parser.add_argument("--models", default=models, help="which of llama-1.1b, llama-7b")
+    parser.add_argument("--models", default=models, help="which of llama-1.1b, llama-7b, bert-base")
+    parser.add_argument("--splits-only", action="store_true",
+                        help="bench_few_rows.py: the default config at each split, not the whole sweep")
     parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--json", help="write every measurement to this file")
     args = parser.parse_args()
     ms = [int(r) for r in args.m.split(",")]
-    names = {f"llama-{n.strip().lower().removeprefix('llama-')}" for n in args.models.split(",")}
+    names = {n if n.startswith("bert") else f"llama-{n.removeprefix('llama-')}"
+             for n in (m.strip().lower() for m in args.models.split(","))}
     dtype = DTYPES[args.dtype]
     return args, ms, names, dtype, torch.finfo(dtype).bits // 8
 

@@ -75,10 +75,15 @@ def assert_within_torch_error_gpu(ours, args, activation):
     assert_within_torch_error(ours, args, activation, GPU_ATOL[args[0].dtype], rel_atol=1e-5)
 
 
-def capture(fn):
+def capture(fn, split_counters: bool = False):
     """fn() recorded into a CUDA graph on a side stream, as torch.cuda.graph's docs do it, then
-    replayed into its zeroed output: what it returns is what the replay wrote."""
+    replayed into its zeroed output: what it returns is what the replay wrote. `split_counters`:
+    the stream gets split-K arrival counters first, as the runtime's capture stream does."""
     stream = torch.cuda.Stream()
+    if split_counters:
+        from transfuse.kernels import split_counters as counters
+
+        counters.reserve(stream.device, stream)
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):

@@ -11,6 +11,7 @@ import torch
 from tests.kernels import linear_cases
 from tests.kernels.linear_cases import assert_within_torch_error, randn
 from transfuse.kernels import gemm_few_rows as kernels
+from transfuse.kernels import split_counters
 from transfuse.kernels.gemm import ACTIVATIONS
 from transfuse.kernels.gemm_few_rows import FEW_ROWS_MAX, FewRowsConfig, few_rows_applies, few_rows_fwd
 
@@ -36,7 +37,7 @@ def test_shapes(M, K, N):
 
 
 @pytest.mark.parametrize("config", [
-    FewRowsConfig(16, 16, 2, 1, 4),  # split-K: 7 steps of K=100 in two splits of 4 (the last 3)
+    FewRowsConfig(16, 16, 2, 1, 4),  # split-K, finished in the last program: 7 steps of K=100 in splits of 4 and 3
     FewRowsConfig(16, 32, 3, 1, 4),  # splits of 64: the second ends in a tail, the third starts past K
     FewRowsConfig(16, 16, 8, 1, 4),  # more splits than steps allow: clamped to 7
     FewRowsConfig(32, 64, 1, 1, 4),  # column block wider than N: columns wrap, never stored twice
@@ -97,3 +98,34 @@ def test_defaults_fit_shared_memory(monkeypatch):
         rows = 2 * conf.block_n if gated else conf.block_n
         assert conf.split_k == 1
         assert conf.num_stages * (rows + FEW_ROWS_MAX) * conf.block_k * 2 <= 200 * 1024
+
+
+@pytest.mark.parametrize("activation,has_bias,has_residual", [("silu_mul", True, False), ("gelu", True, True)])
+def test_splits_finish_in_their_last_program(activation, has_bias, has_residual):
+    """Every split of K=100 (7 steps of 16) against the reference; the column blocks' arrival
+    counters are zero again after each launch (the next launch on the stream starts from them), and
+    a repeated launch gives the same bits (partials are summed in split order, whoever came last)."""
+    args = problem((6,), 100, 40, activation, torch.float16, has_bias, has_residual)
+    tickets = split_counters.counters(torch.device("cpu"), 1)
+    for split in range(1, 8):
+        out = few_rows_fwd(*args[:3], activation, args[3], split_k=split)
+        assert_within_torch_error(out, args, activation, 1e-3)
+        assert not tickets.any(), split
+        assert torch.equal(out, few_rows_fwd(*args[:3], activation, args[3], split_k=split))
+
+
+def test_no_counters_means_no_split(monkeypatch):
+    """A stream without counters (a capture on a stream that reserved none) runs unsplit."""
+    args = problem((4,), 100, 40, "none", torch.float16)
+    monkeypatch.setattr(split_counters, "counters", lambda device, blocks: None)
+    out = few_rows_fwd(*args[:3], "none", args[3], split_k=4)
+    assert_within_torch_error(out, args, "none", 1e-3)
+
+
+def test_counters_refuse_more_blocks_than_they_hold():
+    assert split_counters.counters(torch.device("cpu"), split_counters.CAPACITY + 1) is None
+    assert split_counters.counters(torch.device("cpu"), split_counters.CAPACITY).shape == (split_counters.CAPACITY,)
+
+
+def test_split_candidates_off_the_gpu():
+    assert kernels.split_candidates(768, 768, torch.device("cpu")) == [1]

@@ -11,7 +11,8 @@ import torch
 
 from tests.kernels.linear_cases import (GPU_DTYPES, LLAMA_1B_DECODE, assert_within_torch_error_gpu, capture,
                                         gpu_problem)
-from transfuse.kernels.gemm_few_rows import FewRowsConfig, few_rows_fwd
+from transfuse.kernels import split_counters
+from transfuse.kernels.gemm_few_rows import FewRowsConfig, few_rows_fwd, split_candidates
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def test_llama_1b_shapes(case, M, dtype):
 
 
 @pytest.mark.parametrize("config", [
-    FewRowsConfig(64, 128, 2, 4, 4),   # split-K with the reduce kernel
+    FewRowsConfig(64, 128, 2, 4, 4),   # split-K, finished by the last program of a column block
     FewRowsConfig(32, 256, 3, 3, 4),   # K=5632 = 22 steps of 256: splits of 8, 8 and 6
     FewRowsConfig(128, 64, 1, 5, 4),   # a full warpgroup tile of weight rows
     FewRowsConfig(64, 256, 1, 3, 8),
@@ -54,4 +55,40 @@ def test_cuda_graph_replay():
     few_rows_fwd(*args[:3], act, args[3])
     torch.cuda.synchronize()
     out = capture(lambda: few_rows_fwd(*args[:3], act, args[3]))
+    assert_within_torch_error_gpu(out, args, act)
+
+
+BERT_BASE = {"qkv": (2304, 768, "none", False), "o+res": (768, 768, "none", True),
+             "up+gelu": (3072, 768, "gelu", False), "down+res": (768, 3072, "none", True)}
+SPLIT_CASES = {**{f"llama-1b {k}": v for k, v in CASES.items() if k != "lm_head"},
+               **{f"bert-base {k}": v for k, v in BERT_BASE.items()}}
+
+
+@pytest.mark.parametrize("M", [8, 16])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_every_split_the_dispatcher_may_time(case, M):
+    """Each split that split_candidates offers (and 2 and 4 besides) against fp32; the arrival
+    counters are zero after every launch; two launches give the same bits."""
+    N, K, act, has_res = SPLIT_CASES[case]
+    args = gpu_problem(M, K, N, act, torch.float16, True, has_res)
+    device = args[0].device
+    tickets = split_counters.counters(device, 1)
+    for split in sorted(set(split_candidates(N, K, device, act == "silu_mul")) | {2, 4}):
+        out = few_rows_fwd(*args[:3], act, args[3], split_k=split)
+        assert_within_torch_error_gpu(out, args, act)
+        again = few_rows_fwd(*args[:3], act, args[3], split_k=split)
+        torch.cuda.synchronize()
+        assert not tickets.any(), split
+        assert torch.equal(out, again), split
+
+
+@pytest.mark.parametrize("reserved", [True, False])
+def test_split_in_a_cuda_graph(reserved):
+    """Captured on a stream with counters, the split runs inside the graph and every replay leaves
+    them at zero; on a stream without, the capture runs unsplit. Correct either way."""
+    N, K, act, has_res = CASES["down+res"]
+    args = gpu_problem(8, K, N, act, torch.bfloat16, False, has_res)
+    few_rows_fwd(*args[:3], act, args[3], split_k=4)
+    torch.cuda.synchronize()
+    out = capture(lambda: few_rows_fwd(*args[:3], act, args[3], split_k=4), split_counters=reserved)
     assert_within_torch_error_gpu(out, args, act)

@@ -211,6 +211,27 @@ def test_decode_kernels_timed_by_row_count(rows, expected, monkeypatch):
     assert choice.backend == (expected or "torch")
 
 
+def test_few_rows_split_is_timed_and_run(monkeypatch):
+    """A split of the few-rows kernel is a candidate of its own; when it wins, the choice keeps its
+    split and the op launches with it."""
+    from transfuse.kernels import gemm_few_rows
+
+    monkeypatch.setattr(gemm_few_rows, "split_candidates", lambda *a: [1, 3])
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms",
+                        lambda c, d: {n: (0.4 if n == "few_rows/split_k=3" else 1.0) for n in c})
+    x = torch.randn(8, 40).half()
+    w = (torch.randn(24, 40) * 40**-0.5).half()
+    key = GemmKey(gemm_ops._rows_key(8), 24, 40, "float16", "none", False, False)
+    choice = gemm_ops._measure(key, x, w, None, "none", None)
+    assert (choice.backend, choice.split_k, choice.tile) == ("few_rows", 3, None)
+    assert {"few_rows", "few_rows/split_k=3"} <= set(choice.times_ms)
+    calls = []
+    monkeypatch.setattr(gemm_few_rows, "few_rows_fwd", lambda *a, **k: calls.append(k) or linear_ref(*a[:5]))
+    monkeypatch.setattr(gemm_ops, "_choose", lambda *a: choice)
+    ops.linear(x, w, None, "none", None)
+    assert calls == [{"split_k": 3}]
+
+
 def test_measure_falls_back_when_triton_fails(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")

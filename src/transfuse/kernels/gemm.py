@@ -290,6 +290,46 @@ def _finish_tile(
                          ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
+@triton.jit
+def _finish_tile_in_last_split(
+    acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, ticket_ptr,
+    bias_ptr, stride_bias,
+    res_ptr, stride_res_m, stride_res_n,
+    out_ptr, stride_out_m,
+    part_ptr, stride_part_split, stride_part_m,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """_finish_tile without a reduce kernel: split programs write their partials and take a ticket
+    of their column block (`ticket_ptr`, zero at launch, kernels/split_counters.py); the one that
+    arrives last sums every split's partials in split order (the result does not depend on which
+    program came last), runs the epilogue and sets the ticket back to zero for the next launch."""
+    if SPLIT_K > 1:
+        GATED: tl.constexpr = ACTIVATION == "silu_mul"
+        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
+        # Every thread's partials are written before the ticket's release makes them visible GPU-wide.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            part_ptrs = part_ptr + offs_m.to(tl.int64)[:, None] * stride_part_m + offs_n[None, :]
+            total = tl.zeros_like(acc)
+            total_up = tl.zeros_like(acc)
+            for s in range(0, SPLIT_K):
+                # .cg: from L2, where the other programs' partials are, never a stale L1 line
+                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    total_up += tl.load(part_ptrs + N, mask=mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_part_split
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+            _linear_epilogue(total, total_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                             res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                             ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+    else:
+        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
+                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
+
+
 # Unspecialised: a new row count or split (or the unsplit launch's dummy partials) must not compile
 # another kernel, which Triton's specialisation of ints on ==1 and on divisibility by 16 would do.
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K", "stride_part_split", "stride_part_m"])

@@ -11,7 +11,9 @@ linears of a batch and short prompts' prefill, on tensor cores.
 
 Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up]) and numerics are those of
 `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding at the store; its
-epilogue, split-K partials and reduce kernel are reused as they are.
+epilogue and split-K partials layout are reused as they are. A split launch has no reduce kernel: the
+last program of a column block to finish sums the partials (gemm._finish_tile_in_last_split, with
+the arrival counters of kernels/split_counters.py).
 
 Why a third linear kernel: with a handful of rows a linear is bound by reading the weight once,
 like the GEMV (kernels/gemv.py), but from 4 rows up the GEMV's CUDA-core products set the pace
@@ -33,15 +35,19 @@ K only, and none when every split holds whole BLOCK_K steps.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from transfuse.kernels import split_counters
 from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
-from transfuse.kernels.gemm import _WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile, check_linear_args
+from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile_in_last_split,
+                                    check_linear_args)
 
+NO_SPLIT_ENV = "TRANSFUSE_FEW_ROWS_NO_SPLIT"  # =1: never time a split (A/B runs)
 FEW_ROWS_MAX = 32  # the x side of the dot: rows are padded (wrapped) to 16, or to 32 from 17
 _DTYPES = (torch.float16, torch.bfloat16)  # fp32 operands would halve the pipeline: gemm.linear_fwd takes them
 
@@ -64,9 +70,13 @@ class FewRowsConfig(NamedTuple):
 #   bandwidth);
 # - silu_mul (two weight tiles a step): 64 x 128 with 3 stages (1.1B gate_up 18.6 us, cuBLAS and
 #   its eager epilogue 24.7);
-# - split-K lost everywhere, by 5-15%: the reduce launch costs more than the extra programs save,
-#   even where the column blocks give fewer programs than SMs (1.1B o_proj: 64 blocks of 32
-#   columns on 132 SMs).
+# - split-K with a reduce kernel lost everywhere, by 5-15%: the reduce launch cost more than the
+#   extra programs saved. Finished in the last program instead (H200, 2026-11-28,
+#   bench/results/2026-11-28-nvidia-h200-few-rows-split-sweep-session30.log), a split wins where K
+#   is long and the column blocks few: 1.1B down + residual at 8 rows 15.4 -> 11.6 us (split 2;
+#   cuBLAS 12.9), o + residual 7.3 -> 6.6 (split 4), bert-base down + residual 8.8 -> 6.0 (split 4);
+#   it loses on short K (bert-base qkv 4.2 -> 5.2) and wide N (lm_head 36 -> 48). So the default
+#   stays unsplit and the dispatcher times split_candidates() per shape.
 _PLAIN = FewRowsConfig(32, 256, 1, 5, 4)
 _GATED = FewRowsConfig(64, 128, 1, 3, 4)
 _INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
@@ -100,6 +110,7 @@ def _few_rows_fwd_kernel(
     res_ptr, stride_res_m, stride_res_n,
     out_ptr, stride_out_m,
     part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
+    ticket_ptr,  # int32 arrival counters, one per column block, zero at launch (SPLIT_K > 1)
     M, N, K,
     SPLIT_K,
     ACTIVATION: tl.constexpr,
@@ -160,12 +171,9 @@ def _few_rows_fwd_kernel(
     # back to (rows, columns) for gemm.py's epilogue and partials layout
     acc = tl.trans(acc)
     acc_up = tl.trans(acc_up) if GATED else acc
-    _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
-                 res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
-                 part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
-
-
-_REDUCE_BLOCK_N = 256
+    _finish_tile_in_last_split(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, ticket_ptr + pid_n,
+                               bias_ptr, stride_bias, res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                               part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
 def few_rows_fwd(
@@ -175,12 +183,15 @@ def few_rows_fwd(
     activation: str = "none",
     residual: torch.Tensor | None = None,
     config: FewRowsConfig | tuple[int, int, int, int, int] | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) + residual for x of at most 32 rows, fp16 or bf16.
 
     x: (..., K) with prod(...) <= 32; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
     (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
-    `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps)` overrides the heuristic.
+    `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps)` overrides the heuristic, `split_k`
+    its split (the dispatcher times split_candidates()). A split is at most one per K step, and none
+    where the stream has no counters (a capture on a stream without them, kernels/split_counters.py).
     """
     N = check_linear_args(x, weight, bias, activation, residual)
     if not few_rows_applies(x, weight):
@@ -199,19 +210,39 @@ def few_rows_fwd(
     res2 = residual.reshape(-1, N) if residual is not None else None
     gated = activation == "silu_mul"
     conf = FewRowsConfig(*config) if config is not None else default_config(gated)
-    split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
-    epilogue = EpilogueOperands(out, bias, res2, activation, split_k)
-    _few_rows_fwd_kernel[(triton.cdiv(N, conf.block_n), split_k)](
+    blocks = triton.cdiv(N, conf.block_n)
+    split = max(1, min(conf.split_k if split_k is None else split_k, triton.cdiv(max(K, 1), conf.block_k)))
+    tickets = split_counters.counters(x.device, blocks) if split > 1 else None
+    if tickets is None:
+        split = 1
+    epilogue = EpilogueOperands(out, bias, res2, activation, split)
+    _few_rows_fwd_kernel[(blocks, split)](
         x2, x2.stride(0),
         weight, weight.stride(0), weight.stride(1),
         *epilogue.args,
         *epilogue.part_args,
-        M, N, K, split_k,
+        tickets if tickets is not None else epilogue.part_args[0],  # unsplit: never read
+        M, N, K, split,
         **epilogue.flags,
-        EVEN_K=K % (conf.block_k * split_k) == 0,
+        EVEN_K=K % (conf.block_k * split) == 0,
         DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_M=x_side, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
         num_stages=conf.num_stages, num_warps=conf.num_warps, **pdl(x2),
     )
-    epilogue.reduce(x_side, _REDUCE_BLOCK_N)
     return out.view(*lead, N)
+
+
+def split_candidates(n: int, k: int, device: torch.device, gated: bool = False) -> list[int]:
+    """The splits worth timing for an (n, k) linear besides 1: those that bring the programs
+    (column blocks x splits) up to about one or two per SM, each split whole K steps apart."""
+    conf = default_config(gated)
+    blocks, steps = triton.cdiv(n, conf.block_n), triton.cdiv(max(k, 1), conf.block_k)
+    if device.type != "cuda" or blocks > split_counters.CAPACITY or os.environ.get(NO_SPLIT_ENV) == "1":
+        return [1]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = {1}
+    for target in (sms, 2 * sms):
+        want = max(1, round(target / blocks))
+        # the largest divisor of the K steps not above the wanted split: no split ends in a tail
+        out.add(max(d for d in range(1, min(want, steps) + 1) if steps % d == 0))
+    return sorted(out)

@@ -14,7 +14,8 @@ On a GPU the op runs one of these implementations, whichever is faster for the s
 - "gemv": transfuse.kernels.gemv, weight streaming on the CUDA cores for 1-2 rows (decode), the
   same epilogue;
 - "few_rows": transfuse.kernels.gemm_few_rows, 3-32 rows (batched decode, short prompts) on the
-  tensor cores with the weight as the MMA's tall side, the same epilogue;
+  tensor cores with the weight as the MMA's tall side, the same epilogue; unsplit or split along K
+  (timed per shape: the splits of gemm_few_rows.split_candidates);
 - "torch": cuBLAS through torch.addmm / torch.mm, then the epilogue as PyTorch ops, which is what
   the unfused model runs; "torch_lt" is the same with cuBLASLt's fused epilogue
   (torch._addmm_activation) where that computes exactly what is asked: relu, and gelu_tanh (its
@@ -78,7 +79,7 @@ class GemmKey(NamedTuple):
 @dataclass
 class GemmChoice:
     backend: str  # "triton", "gemv", "few_rows", "torch" or "torch_lt"
-    split_k: int = 1  # Triton only
+    split_k: int = 1  # Triton and few_rows
     tile: Optional[tuple] = None  # Triton only: a fixed tile (None: autotuned per key)
     measured: bool = False
     times_ms: dict[str, float] = field(default_factory=dict)
@@ -265,6 +266,12 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
     else:
         return candidates, tile
     candidates[decode] = lambda: _DECODE_KERNELS[decode](x, weight, bias, activation, residual)
+    if decode == "few_rows":
+        # splits along K finish in their last program (no reduce kernel): more programs on a weight
+        # with fewer column blocks than SMs
+        for split in gemm_few_rows.split_candidates(key.n, key.k, x.device, activation == "silu_mul")[1:]:
+            candidates[f"few_rows/split_k={split}"] = (
+                lambda split=split: gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual, split_k=split))
     return candidates, tile
 
 
@@ -300,7 +307,9 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
     if best_triton is not None and times[best_triton] < (1.0 - MARGIN) * times[best_torch]:
         if best_triton in _DECODE_KERNELS:
             return GemmChoice(best_triton, measured=True, times_ms=times, note=note)
-        return GemmChoice("triton", split_k=int(best_triton.split("=")[1]), tile=tile, measured=True, times_ms=times, note=note)
+        backend, split = best_triton.split("/split_k=")
+        return GemmChoice(backend, split_k=int(split), tile=tile if backend == "triton" else None,
+                          measured=True, times_ms=times, note=note)
     return GemmChoice(best_torch, measured=True, times_ms=times, note=note)
 
 
@@ -309,7 +318,7 @@ _DECODE_KERNELS = {"gemv": gemv.gemv_fwd, "few_rows": gemm_few_rows.few_rows_fwd
 
 
 def _ours(candidate: str) -> bool:
-    return candidate.startswith("triton") or candidate in _DECODE_KERNELS
+    return candidate.split("/")[0] == "triton" or candidate.split("/")[0] in _DECODE_KERNELS
 
 
 def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
@@ -391,6 +400,8 @@ def linear_dispatch(x, weight, bias, activation: str, residual) -> torch.Tensor:
     choice = _choose(x, weight, bias, activation, residual, n_out)
     if choice.backend == "triton":
         return kernels.linear_fwd(x, weight, bias, activation, residual, split_k=choice.split_k, tile=choice.tile)
+    if choice.backend == "few_rows":
+        return gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual, split_k=choice.split_k)
     if choice.backend in _DECODE_KERNELS:
         return _DECODE_KERNELS[choice.backend](x, weight, bias, activation, residual)
     return linear_torch(x, weight, bias, activation, residual, cublaslt_epilogue=choice.backend == "torch_lt")

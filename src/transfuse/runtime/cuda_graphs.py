@@ -24,16 +24,19 @@ from typing import Callable
 
 import torch
 
+from transfuse.kernels import split_counters
 from transfuse.runtime.static_buffers import load, static_buffer
 
 log = logging.getLogger("transfuse")
 
 
 class GraphPool:
-    """One CUDA-graph memory pool per optimized model, created on first use."""
+    """One CUDA-graph memory pool per optimized model, created on first use, and the stream its
+    graphs are warmed up and captured on."""
 
     def __init__(self):
         self.handle = None
+        self._stream = None
         self.graphs_captured = 0
         self.capture_seconds = 0.0
         self.bytes_reserved = 0
@@ -42,6 +45,15 @@ class GraphPool:
         if self.handle is None:
             self.handle = torch.cuda.graph_pool_handle()
         return self.handle
+
+    def stream(self) -> torch.cuda.Stream:
+        """This model's capture stream, with the split-K kernels' arrival counters made for it
+        (they cannot be made during capture; one stream per model: two models' graphs replayed on
+        two streams at once never share counters)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            split_counters.reserve(self._stream.device, self._stream)
+        return self._stream
 
 
 def capturing() -> bool:
@@ -121,7 +133,7 @@ class _Captured:
             self.args[i] = buf
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
+        stream = pool.stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Inputs the graph writes in place are warmed up on copies: the replay that follows the
         # capture is the call's one write (twice would add twice for `cache += x`).
@@ -134,7 +146,7 @@ class _Captured:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, pool=pool.get()):
+            with torch.cuda.graph(self.graph, pool=pool.get(), stream=stream):
                 self.outputs = fn(*self.args)
         except Exception as exc:  # noqa: BLE001 - the warm-up ran: only capture itself refuses here
             del self.graph

@@ -435,7 +435,8 @@ class DecodeLoop:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.state.backend.pool.get()), part_of_callers_graph():
+            pool = self.state.backend.pool
+            with torch.cuda.graph(graph, pool=pool.get(), stream=pool.stream()), part_of_callers_graph():
                 step()
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
             entry.no_graph_reason = first_line(e, limit=160)
