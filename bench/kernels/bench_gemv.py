@@ -102,10 +102,15 @@ def copy_gbps(reps: int = 30) -> float:
 
 
 def torch_linear(x, w, act, r):
+    """cuBLAS and the epilogue as PyTorch ops (the gated and plain activations of SHAPES)."""
     h = F.linear(x, w)
     if act == "silu_mul":
         gate, up = h.chunk(2, dim=-1)
         h = F.silu(gate) * up
+    elif act == "gelu":
+        h = F.gelu(h)
+    elif act != "none":
+        raise ValueError(f"torch_linear: no activation {act!r}")
     return h + r if r is not None else h
 
 
