@@ -36,7 +36,7 @@ class GraphPool:
 
     def __init__(self):
         self.handle = None
-        self._stream = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
         self.graphs_captured = 0
         self.capture_seconds = 0.0
         self.bytes_reserved = 0
@@ -47,13 +47,15 @@ class GraphPool:
         return self.handle
 
     def stream(self) -> torch.cuda.Stream:
-        """This model's capture stream, with the split-K kernels' arrival counters made for it
-        (they cannot be made during capture; one stream per model: two models' graphs replayed on
-        two streams at once never share counters)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            split_counters.reserve(self._stream.device, self._stream)
-        return self._stream
+        """This model's capture stream on the current device, with the split-K kernels' arrival
+        counters made for it (they cannot be made during capture; one stream per model: two models'
+        graphs replayed on two streams at once never share counters)."""
+        index = torch.cuda.current_device()
+        found = self._streams.get(index)
+        if found is None:
+            found = self._streams[index] = torch.cuda.Stream()
+            split_counters.reserve(found.device, found)
+        return found
 
 
 def capturing() -> bool:
