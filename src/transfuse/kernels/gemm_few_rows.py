@@ -221,7 +221,9 @@ def few_rows_fwd(
         weight, weight.stride(0), weight.stride(1),
         *epilogue.args,
         *epilogue.part_args,
-        tickets if tickets is not None else epilogue.part_args[0],  # unsplit: never read
+        # unsplit: an int32 view of the partials' stand-in, never read; the pointer type, and with
+        # it the compiled kernel, is the split launch's
+        tickets if tickets is not None else epilogue.part_args[0].view(torch.int32),
         M, N, K, split,
         **epilogue.flags,
         EVEN_K=K % (conf.block_k * split) == 0,
