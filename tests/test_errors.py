@@ -191,3 +191,34 @@ def test_dynamo_guard_filter_failure_names_module_guards():
     transfuse.optimize(model, module_guards=True)
     model(input_values=x).logits.square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.lm_head.parameters())
+
+
+def test_an_unknown_option_is_refused():
+    model = torch.nn.Linear(4, 4).eval()
+    with pytest.raises(transfuse.TransfuseError, match=r"unknown option 'cuda_graph'; the options are .*cuda_graphs"):
+        transfuse.optimize(model, cuda_graph=False)
+    assert not hasattr(model, "_transfuse_state")
+
+
+def test_torch_compile_hands_its_options_to_transfuse(monkeypatch):
+    """torch.compile(backend="transfuse", options={...}) passes the dict as one keyword: its entries
+    are transfuse's options, checked like optimize()'s; an Inductor-only mode is refused."""
+    import transfuse.backend as backend
+
+    seen = []
+    init = backend.Backend.__init__
+    monkeypatch.setattr(backend.Backend, "__init__", lambda self, **o: seen.append(o) or init(self, **o))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+    x = torch.randn(3, 8)
+    out = torch.compile(model, backend="transfuse", options={"cuda_graphs": False})(x)
+    torch.testing.assert_close(out, model(x))
+    assert seen == [{"cuda_graphs": False}]
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model, backend="transfuse", mode="reduce-overhead")(x), model(x))
+    assert seen[-1] == {}
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option 'cuda_graph'"):
+        torch.compile(model, backend="transfuse", options={"cuda_graph": False})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mode='max-autotune' is Inductor's"):
+        torch.compile(model, backend="transfuse", mode="max-autotune")(x)

@@ -40,10 +40,22 @@ class StaleGraph(RuntimeError):
     catches this and compiles afresh."""
 
 
+# What a Backend reads (optimize()'s keywords that reach it, and training_graphs); anything else is a
+# typo or an option of another backend, refused so that it is never silently without effect.
+OPTIONS = ("buckets", "cuda_graphs", "disable", "dynamic", "max_graphs", "module_guards", "training_graphs")
+# torch.compile(mode=...): transfuse replays CUDA graphs by itself (optimize's cuda_graphs), so the
+# modes that ask for that, or for nothing, mean what they say; the others ask for Inductor's tuning.
+COMPILE_MODES = (None, "default", "reduce-overhead")
+
+
 class Backend:
     """A Dynamo backend bound to one optimized model's options and records."""
 
     def __init__(self, **options):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TransfuseError(f"transfuse: unknown option{'s' if len(unknown) > 1 else ''} "
+                                 f"{', '.join(map(repr, unknown))}; the options are {', '.join(OPTIONS)}")
         self.options = options
         self.records: list[GraphRecord] = []
         self.graphs: list[fx.GraphModule] = []  # the rewritten graphs, for tests and debugging
@@ -186,9 +198,15 @@ class Backend:
         return compiled
 
 
-def transfuse_backend(gm: fx.GraphModule, example_inputs: list, **options):
-    """Entry for `torch.compile(model, backend="transfuse")`."""
-    return Backend(**options)(gm, example_inputs)
+def transfuse_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                      options: dict | None = None, **direct):
+    """Entry for `torch.compile(model, backend="transfuse", options={...})`: torch.compile hands the
+    options dict (and a mode) over as keywords of their own."""
+    if mode not in COMPILE_MODES:
+        raise TransfuseError(f"torch.compile(backend=\"transfuse\"): mode={mode!r} is Inductor's; transfuse takes "
+                             f"mode=None, \"default\" or \"reduce-overhead\" (it replays CUDA graphs itself; "
+                             f"options={{\"cuda_graphs\": False}} turns them off)")
+    return Backend(**{**(options or {}), **direct})(gm, example_inputs)
 
 
 def _training_runner(gm: fx.GraphModule, example_inputs, static: list[int], options: dict):

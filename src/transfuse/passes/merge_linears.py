@@ -50,8 +50,6 @@ def _merge(ctx: PassContext, x: fx.Node, members: list[fx.Node]) -> str | None:
     biases = [ctx.placeholder_value(arg(m, 2, "bias")) if arg(m, 2, "bias") is not None else None for m in members]
     if len({id(w) for w in weights}) != len(weights):
         return "the same weight appears twice"
-    if any(w.requires_grad and torch.is_grad_enabled() for w in weights) and ctx.options.get("training"):
-        return "merging is for inference graphs"
     sizes = [w.shape[0] for w in weights]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     for m, off, n in zip(members, offsets, sizes):
