@@ -479,6 +479,35 @@ FAMILIES += [
     ("fnet", "enc", "FNetConfig", "FNetForMaskedLM",  # no attention: Fourier mixing
      dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64, vocab_size=VOCAB,
           pad_token_id=PAD), None),
+    # session 30: families not swept before
+    ("openai-gpt", "dec", "OpenAIGPTConfig", "OpenAIGPTLMHeadModel",  # GPT-1: post-norm, no cache
+     dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB), None),
+    ("xlm", "enc", "XLMConfig", "XLMWithLMHeadModel",  # sinusoidal-free learned positions, post-norm
+     dict(emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64, vocab_size=VOCAB, pad_index=PAD), None),
+    ("flaubert", "enc", "FlaubertConfig", "FlaubertWithLMHeadModel",  # XLM with pre-norm option
+     dict(emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64, vocab_size=VOCAB, pad_index=PAD,
+          pre_norm=True), None),
+    ("recurrent_gemma", "dec", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",  # RG-LRU blocks beside local attention
+     dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, intermediate_size=96,
+          lru_width=64, attention_window_size=16, block_types=["recurrent", "recurrent", "attention"],
+          vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS), None),
+    ("zamba2", "dec", "Zamba2Config", "Zamba2ForCausalLM",  # Mamba-2 layers and a shared attention block
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+          mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"],
+          max_position_embeddings=64, use_mem_rope=True, **IDS), None),
+    ("bamba", "dec", "BambaConfig", "BambaForCausalLM",  # Mamba-2 and attention layers
+     dict(_LLAMA, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8,
+          attn_layer_indices=[1]), None),
+    ("qwen3_next", "dec", "Qwen3NextConfig", "Qwen3NextForCausalLM",  # gated delta-net linear attention + MoE
+     dict(_LLAMA, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+          linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+          shared_expert_intermediate_size=32, full_attention_interval=2), None),
+    ("ernie4_5_moe", "dec", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",  # experts with a shared expert
+     dict(_LLAMA, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+          moe_layer_start_index=1), None),
+    ("granitemoehybrid", "dec", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",  # Mamba-2 + attention + MoE
+     dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8,
+          mamba_n_groups=1, mamba_chunk_size=8, layer_types=["mamba", "attention"]), None),
 ]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks

@@ -222,3 +222,49 @@ def test_torch_compile_hands_its_options_to_transfuse(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="mode='max-autotune' is Inductor's"):
         torch.compile(model, backend="transfuse", mode="max-autotune")(x)
+
+
+class _Box:
+    def size_of(self):
+        return 1
+
+
+def _bound_size_of(self):
+    return 2
+
+
+class _BindsAMethod(torch.nn.Module):
+    """Binds a function to an object it is given, as RecurrentGemma does to its cache
+    (`past_key_values.get_mask_sizes = _get_mask_sizes.__get__(past_key_values)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, box):
+        box.size_of = _bound_size_of.__get__(box)
+        return self.fc(x) * box.size_of()
+
+
+def test_dynamo_code_failing_after_the_graph_ran_is_raised_then_the_model_runs_as_written():
+    """Dynamo writes the bound method back as an attribute read of its name on the object (torch
+    2.11-2.13): an AttributeError in Dynamo's own code, after the graph ran. That call raises one
+    line (running it again could apply its writes twice); later calls run as written."""
+    model = _BindsAMethod().eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x, _Box())
+        try:
+            torch.compile(_BindsAMethod().eval(), backend="eager")(x, _Box())
+            pytest.skip("this torch's Dynamo writes a bound method back correctly")
+        except AttributeError:
+            pass
+        finally:
+            torch._dynamo.reset()
+        transfuse.optimize(model)
+        with pytest.raises(transfuse.TransfuseError, match=r"failed after the graph ran \(AttributeError: .*_bound_size_of"):
+            model(x, _Box())
+        box = _Box()
+        torch.testing.assert_close(model(x, box), expected)
+        assert box.size_of() == 2
+    assert "left to eager: Dynamo's code around the graph failed" in transfuse.report(model)

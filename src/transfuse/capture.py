@@ -232,6 +232,21 @@ def optimize(
                 if _has_empty_tensor(args, kwargs):
                     state.empty_calls += 1
                     return original(*args, **kwargs)
+                glue = _dynamo_glue_failure(exc)
+                if glue is not None and state.backend is backend:
+                    # Dynamo's own code around the graph (inputs in, side effects and outputs back) failed:
+                    # every call of this frame would. The model runs as written from now on; this call
+                    # too, unless the graph already ran (its writes are done: running it again could
+                    # apply them twice), which the error says.
+                    state.eager_reason = (f"Dynamo's code around the graph failed ({glue}; torch.compile fails "
+                                          f"the same way, a PyTorch bug): runs as written")
+                    log.warning("transfuse: %s", state.eager_reason)
+                    if backend.graph_calls == graph_calls:
+                        return original(*args, **kwargs)
+                    raise TransfuseError(
+                        f"transfuse: Dynamo's code around this model's graph failed after the graph ran ({glue}; "
+                        "torch.compile fails the same way, a PyTorch bug); the call is not run again, its writes "
+                        "may be partial; the model runs as written from the next call") from exc
                 untraceable = _untraceable(exc)
                 if untraceable is None or state.backend is not backend or backend.graph_calls != graph_calls:
                     raise
@@ -349,6 +364,23 @@ def _untraceable(exc: BaseException) -> str | None:
     op = re.search(r"call_\w+ <?(built-in (?:method|function) \w+|function \w+|[\w.]+)", detail)
     cause = detail[detail.index("got ") + 4:] if "got " in detail else detail
     return ((f"{op.group(1)}: " if op else "") + cause)[:200]
+
+
+def _dynamo_glue_failure(exc: BaseException) -> str | None:
+    """The first line of an error raised by the bytecode Dynamo wrote for a frame, not by the model's
+    code nor by a graph (both run in frames of their own): the innermost frame is a transformed code
+    object. torch 2.11-2.13 meet one in a forward that binds a function to an object it was given
+    (`cache.get_mask_sizes = fn.__get__(cache)`, RecurrentGemma): the side effect is written back as
+    an attribute read of the function's name on the object, an AttributeError."""
+    transformed = getattr(torch._dynamo.utils, "orig_code_map", None)
+    tb = exc.__traceback__
+    if transformed is None or tb is None or isinstance(exc, torch._dynamo.exc.TorchDynamoException):
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb.tb_frame.f_code not in transformed:
+        return None
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def _nested_tensor_encoders(model: torch.nn.Module) -> bool:
