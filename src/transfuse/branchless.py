@@ -347,6 +347,14 @@ class Rewritten:
                 f"before tracing: {classes}")
 
 
+def undo_on(model: torch.nn.Module) -> None:
+    """Drops every branchless forward set on a module of `model` (a deep copy of an optimized model,
+    whose Rewritten record is the original's)."""
+    for m in model.modules():
+        if getattr(m.__dict__.get("forward"), "_transfuse_branchless", False):
+            del m.__dict__["forward"]
+
+
 def install(model: torch.nn.Module) -> Rewritten:
     """Sets the branchless forward on every module of `model` whose class has one."""
     done = Rewritten()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import re
 import traceback
@@ -273,6 +274,11 @@ def optimize(
     model.forward = forward
     state.forward = forward
     setattr(model, _STATE, state)
+    state.optimize_options = dict(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
+                                  disable=disable, module_guards=module_guards, max_traces=max_traces,
+                                  static_cache=static_cache, **options)
+    model.__dict__["__deepcopy__"] = _DeepCopy(model)
+    model.__dict__["__reduce_ex__"] = _refuse_pickling
     # generate() would compile the forward again for a static cache: transfuse is the compiler here.
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "disable_compile"):
@@ -339,6 +345,10 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
             p.data = p.data.clone()
     if model.__dict__.get("forward") is state.forward:
         del model.__dict__["forward"]
+    if isinstance(model.__dict__.get("__deepcopy__"), _DeepCopy):
+        del model.__dict__["__deepcopy__"]
+    if model.__dict__.get("__reduce_ex__") is _refuse_pickling:
+        del model.__dict__["__reduce_ex__"]
     if hasattr(state, "disable_compile_was"):
         model.generation_config.disable_compile = state.disable_compile_was
     _generation.uninstall(model, state)
@@ -347,6 +357,61 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     delattr(model, _STATE)
     _release(state.backends)
     return model
+
+
+class _DeepCopy:
+    """`copy.deepcopy(model)` of an optimized model: what optimize() set on the model is made of
+    closures over the original (its forward, generate(), the encoder's call), which a deep copy would
+    share, so the copy would run the original's weights (an EMA copy, say). Instead the model is
+    copied without them and the copy optimized afresh with the same options. Held by the model
+    through a weak reference (no cycle keeps a model and its graphs alive)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = weakref.ref(model)
+
+    def __call__(self, memo: dict) -> torch.nn.Module:
+        model = self.model()
+        state = model.__dict__[_STATE]
+        hook = model.__dict__.pop("__deepcopy__")
+        refuse = model.__dict__.pop("__reduce_ex__", None)
+        # transfuse's own objects are not copied: the copy gets None in their place, then loses them
+        for owned in (state, state.static_cache, state.encoder_call):
+            if owned is not None:
+                memo[id(owned)] = None
+        try:
+            clone = copy.deepcopy(model, memo)
+        finally:
+            model.__dict__["__deepcopy__"] = hook
+            if refuse is not None:
+                model.__dict__["__reduce_ex__"] = refuse
+        _strip_copy(clone, state)
+        return optimize(clone, **state.optimize_options)
+
+
+def _refuse_pickling(protocol: int):
+    """pickle / torch.save(model) of an optimized model (copy.copy reduces the same way): its forward
+    and generate() are transfuse's closures over this model, which no file or shallow copy can hold."""
+    raise TransfuseError("transfuse: an optimized model cannot be pickled (nor copy.copy'd): save model.state_dict() "
+                         "(or save_pretrained()), pickle transfuse.restore(model), or take copy.deepcopy(model)")
+
+
+def _strip_copy(clone: torch.nn.Module, state: _State) -> None:
+    """Undoes on a deep copy what optimize() set on the model it copies, as restore() undoes it on
+    the model (parameters stay views of the copied merged weights: the same values)."""
+    d = clone.__dict__
+    d.pop(_STATE, None)
+    d.pop(_generation._PREPARE, None)
+    for name, owned in (("forward", state.forward), ("generate", getattr(state, "generate", None)),
+                        ("create_masks_for_generate", _generation.masks_for_generate),
+                        (_encoder._PREPARE, getattr(state, "encoder_prepare", None))):
+        if owned is not None and d.get(name) is owned:
+            del d[name]
+    original_class = type(clone).__dict__.get("_transfuse_class_of")
+    if original_class is not None:
+        clone.__class__ = original_class
+    if hasattr(state, "disable_compile_was"):
+        clone.generation_config.disable_compile = state.disable_compile_was
+    _branchless.undo_on(clone)
 
 
 def _release(backends: list) -> None:

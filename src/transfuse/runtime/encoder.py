@@ -81,6 +81,7 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
         return prepare(*args, **kwargs)
 
     model.__dict__[_PREPARE] = prepare_with_compiled_encoder
+    state.encoder_prepare = prepare_with_compiled_encoder  # what a deep copy drops (capture._strip_copy)
     state.encoder_call = call
     state.encoder_failure = None
 
