@@ -67,3 +67,6 @@ def test_a_deep_copy_generates_with_its_own_weights(family):
         assert torch.equal(twin.generate(ids, **kwargs), expected)
         assert torch.equal(model.generate(ids, **kwargs), before)
     assert twin._transfuse_state.decode_loop is not model._transfuse_state.decode_loop
+    # nothing of the original's generate() path is the copy's (the closures hold the original model)
+    for name in ("generate", "_prepare_encoder_decoder_kwargs_for_generation"):
+        assert name not in model.__dict__ or twin.__dict__.get(name) is not model.__dict__[name], name
