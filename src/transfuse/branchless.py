@@ -334,9 +334,7 @@ class Rewritten:
         self.guards: dict[str, int] = {}  # class name -> guards made branchless in its forward
 
     def undo(self) -> None:
-        for m in self.modules:
-            if getattr(m.__dict__.get("forward"), "_transfuse_branchless", False):
-                del m.__dict__["forward"]
+        _drop_branchless(self.modules)
         self.modules = []
 
     def describe(self) -> str:
@@ -350,7 +348,11 @@ class Rewritten:
 def undo_on(model: torch.nn.Module) -> None:
     """Drops every branchless forward set on a module of `model` (a deep copy of an optimized model,
     whose Rewritten record is the original's)."""
-    for m in model.modules():
+    _drop_branchless(model.modules())
+
+
+def _drop_branchless(modules) -> None:
+    for m in modules:
         if getattr(m.__dict__.get("forward"), "_transfuse_branchless", False):
             del m.__dict__["forward"]
 

@@ -299,13 +299,15 @@ def _finish_tile_in_last_split(
     part_ptr, stride_part_split, stride_part_m,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    """_finish_tile without a reduce kernel: split programs write their partials and take a ticket
-    of their column block (`ticket_ptr`, zero at launch, kernels/split_counters.py); the one that
-    arrives last sums every split's partials in split order (the result does not depend on which
-    program came last), runs the epilogue and sets the ticket back to zero for the next launch."""
+    """_finish_tile without a reduce kernel: split programs write their partials (_finish_tile) and
+    take a ticket of their column block (`ticket_ptr`, zero at launch, kernels/split_counters.py);
+    the one that arrives last sums every split's partials in split order (the result does not
+    depend on which program came last), runs the epilogue and sets the ticket back to zero for the
+    next launch. Unsplit, _finish_tile runs the epilogue."""
+    _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
+                 res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
+                 part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
     if SPLIT_K > 1:
-        GATED: tl.constexpr = ACTIVATION == "silu_mul"
-        _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k, GATED)
         # Every thread's partials are written before the ticket's release makes them visible GPU-wide.
         tl.debug_barrier()
         arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
@@ -317,17 +319,13 @@ def _finish_tile_in_last_split(
             for s in range(0, SPLIT_K):
                 # .cg: from L2, where the other programs' partials are, never a stale L1 line
                 total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                if GATED:
+                if ACTIVATION == "silu_mul":
                     total_up += tl.load(part_ptrs + N, mask=mask, other=0.0, cache_modifier=".cg")
                 part_ptrs += stride_part_split
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
             _linear_epilogue(total, total_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
                              res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
                              ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
-    else:
-        _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
-                         res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
-                         ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
 
 
 # Unspecialised: a new row count or split (or the unsplit launch's dummy partials) must not compile

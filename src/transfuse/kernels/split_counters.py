@@ -15,6 +15,8 @@ has none gets None, and the launcher does not split.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Column blocks one split launch may count: a linear with more already has a program per SM.
@@ -56,10 +58,6 @@ def reserve(device: torch.device, stream=None) -> torch.Tensor:
             # The oldest stream's counters go: the caching allocator hands their memory to another
             # tensor only after that stream's queued work, a launch still counting on it included.
             _COUNTERS.pop(next(iter(_COUNTERS)))
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                found = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
-        else:
-            found = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
-        _COUNTERS[key] = found
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            found = _COUNTERS[key] = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
     return found

@@ -318,7 +318,8 @@ _DECODE_KERNELS = {"gemv": gemv.gemv_fwd, "few_rows": gemm_few_rows.few_rows_fwd
 
 
 def _ours(candidate: str) -> bool:
-    return candidate.split("/")[0] == "triton" or candidate.split("/")[0] in _DECODE_KERNELS
+    backend = candidate.split("/")[0]  # "few_rows/split_k=2" is few_rows's
+    return backend == "triton" or backend in _DECODE_KERNELS
 
 
 def _choose(x, weight, bias, activation, residual, n_out: int) -> GemmChoice:
