@@ -193,6 +193,14 @@ def test_dynamo_guard_filter_failure_names_module_guards():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.lm_head.parameters())
 
 
+def test_a_model_already_wrapped_by_torch_compile_is_refused():
+    model = torch.nn.Linear(4, 4).eval()
+    compiled = torch.compile(model)
+    with pytest.raises(transfuse.TransfuseError, match=r"already wrapped by torch\.compile.*model\._orig_mod"):
+        transfuse.optimize(compiled)
+    assert not hasattr(model, "_transfuse_state") and not hasattr(compiled, "_transfuse_state")
+
+
 def test_an_unknown_option_is_refused():
     model = torch.nn.Linear(4, 4).eval()
     with pytest.raises(transfuse.TransfuseError, match=r"unknown option 'cuda_graph'; the options are .*cuda_graphs"):

@@ -104,6 +104,10 @@ def _graph_breaks() -> int:
 def _check_model(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TransfuseError(f"transfuse.optimize expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        # Its forward is Dynamo's frame hook, not the model's: optimizing it would trace a trace.
+        raise TransfuseError("transfuse.optimize: the model is already wrapped by torch.compile; pass the "
+                             "model itself (model._orig_mod), or use torch.compile(model, backend=\"transfuse\")")
     check_device(list(model.parameters()) + list(model.buffers()))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     unsupported = dtypes - set(SUPPORTED_DTYPES)
