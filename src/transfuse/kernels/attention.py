@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
+from transfuse.kernels.attention_decode import attention_decode_fwd, decode_applies, normalized_rows
 from transfuse.kernels.attention_train import _load_rows  # a K or V tile, each with its own head dim
 
 # Block sizes of the mask summary; the attention kernel uses them whenever a summary is given.
@@ -427,18 +428,10 @@ def _attention_fwd_kernel(
         HAS_SUMMARY, SUMMARY_BLOCK_N, SUMMARY_ENTRIES_PER_BLOCK, LOAD_AS_FP32, DOT_PRECISION,
     )
 
+    sink = m_i  # not read without sinks
     if HAS_SINKS:
-        # The sink is one more score with no value: it joins the row's maximum and its sum of
-        # exponentials once, after the keys (the same online-softmax step as a key block).
         sink = tl.load(sinks_ptr + off_h).to(tl.float32)
-        m_new = tl.maximum(m_i, sink)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.exp(sink - m_new)
-        acc = acc * alpha[:, None]
-    # l_i == 0 exactly when every score of the row was -inf (otherwise the maximum contributes 1).
-    if MASKED_ROWS_ZERO:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * (1.0 / l_i)[:, None]
+    out = normalized_rows(acc, l_i, m_i, sink, HAS_SINKS, MASKED_ROWS_ZERO)
     out_ptrs = (out_ptr + off_b.to(tl.int64) * stride_out_batch + off_h.to(tl.int64) * stride_out_head
                 + rows[:, None] * stride_out_seq + offs_dv[None, :])
     if PAD_DV:
@@ -683,6 +676,13 @@ def attention_fwd(
     else:
         stride_sb = stride_sh = stride_sq = 0
         summary_arg = q  # never read
+
+    if decode_applies(batch, nheads, nheads_kv, seqlen_q, seqlen_k, is_causal, has_mask, q.device):
+        # A few query rows (a decode step): one program per KV group and key split (attention_decode.py).
+        return attention_decode_fwd(
+            q, k, v, out, mask_arg if has_mask else None, (stride_mb, stride_mh, stride_mq, stride_mk),
+            mask_summary if has_summary else None, (stride_sb, stride_sh), SUMMARY_BLOCK_N, num_summary_k,
+            key_len, sinks, scale, masked_rows_zero)
 
     block_d = max(16, next_power_of_2(head_dim))
     block_dv = max(16, next_power_of_2(head_dim_v))
