@@ -193,7 +193,8 @@ def sweep_problems(models: set, ms: list, dtype: torch.dtype, l2_bytes: int):
 
 def main():
     from transfuse.kernels.gemm import linear_fwd
-    from transfuse.kernels.gemv import _num_sms, default_config, gemv_configs, gemv_fwd
+    from transfuse.kernels._config import num_sms
+    from transfuse.kernels.gemv import default_config, gemv_configs, gemv_fwd
 
     args, ms, models, dtype, _ = parse_sweep_args(__doc__, m="1,2,8,16", models="1.1b,7b", reps=50)
     t_start = time.time()
@@ -213,7 +214,7 @@ def main():
             "torch": lambda i: torch_linear(x, weights[i], act, r),
             "triton": lambda i: linear_fwd(x, weights[i], None, act, r),
         }
-        chosen = default_config(M, N, K, _num_sms(x.device), act == "silu_mul")
+        chosen = default_config(M, N, K, num_sms(x.device), act == "silu_mul")
         sweep = list(gemv_configs(M, act == "silu_mul"))
         if chosen not in sweep:
             sweep.append(chosen)

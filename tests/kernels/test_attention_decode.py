@@ -139,7 +139,7 @@ def test_attention_fwd_takes_this_kernel_for_decode_rows_only(monkeypatch, devic
 
 def test_split_count_on_a_gpu_grows_with_the_keys_and_fills_the_gpu(monkeypatch):
     monkeypatch.setattr(attention_decode, "INTERPRET", False)
-    monkeypatch.setattr(attention_decode, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert attention_decode.num_splits(32, 256, cuda) == 1       # batch 8 x 4 KV heads, short cache
     assert attention_decode.num_splits(32, 2048, cuda) == 8      # 2048 / 256 keys
@@ -153,7 +153,7 @@ def test_with_a_mask_on_a_gpu_only_past_one_wave_or_split(monkeypatch):
     """Masked calls stay with the prefill kernel (its summary skips the mask of filled blocks) unless
     its programs would exceed one wave or the key axis is split; unmasked calls always come here."""
     monkeypatch.setattr(attention_decode, "INTERPRET", False)
-    monkeypatch.setattr(attention_decode, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
     applies = attention_decode.decode_applies
     assert not applies(1, 32, 4, 1, 256, False, True, cuda)      # llama b1, short cache: 32 programs

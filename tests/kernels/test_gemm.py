@@ -163,7 +163,7 @@ def test_m_bucket():
 
 
 def test_default_split_k(monkeypatch):
-    monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(kernels, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     assert default_split_k(16, 768, 3072, cpu) == 8  # 12 tiles of 16x64: split to fill the SMs
     assert default_split_k(16, 768, 768, cpu) == 2  # no split shorter than 256 along K

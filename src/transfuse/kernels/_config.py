@@ -6,6 +6,7 @@ kernel files ask here instead of reading the environment themselves.
 """
 
 import contextvars
+import functools
 import os
 
 import triton
@@ -30,6 +31,25 @@ def compiling_only() -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device, off_gpu: int = 4) -> int:
+    """The streaming multiprocessors of `device` (a torch.device), cached per GPU; `off_gpu` for a CPU
+    device (the interpreter), where launchers only need a small number of programs."""
+    if device.type != "cuda":
+        return off_gpu
+    if device.index is None:
+        import torch
+
+        return _sm_count(torch.cuda.current_device())
+    return _sm_count(device.index)
 
 
 # Under the interpreter each program is a pass of Python over its tile's ops, so kernels whose

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.attention_decode import attention_decode_fwd, decode_applies, normalized_rows
 from transfuse.kernels.attention_train import _load_rows  # a K or V tile, each with its own head dim
 
@@ -117,11 +117,6 @@ def _keep_config(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=1024)
 def _attention_fwd_heuristic(block_d: int, dtype: torch.dtype, has_mask: bool, seqlen_q: int, seqlen_k: int,
                              num_programs_bh: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -146,7 +141,7 @@ def _attention_fwd_heuristic(block_d: int, dtype: torch.dtype, has_mask: bool, s
     else:
         block_m, block_n, warps, stages = 64 if has_mask else 128, 32, 8, 2
     if not INTERPRET and block_m == 128 and device.type == "cuda":
-        if triton.cdiv(seqlen_q, 128) * num_programs_bh < _num_sms(device.index or 0):
+        if triton.cdiv(seqlen_q, 128) * num_programs_bh < num_sms(device):
             block_m, warps = 64, 4 if block_d <= 64 else 8
     # tl.dot needs 16 rows/columns at least; no tile larger than the (padded) sequence. Small tiles
     # keep 4 warps: fewer would hold a whole BLOCK_D-wide accumulator per thread and spill at 256.

@@ -22,14 +22,13 @@ follow attention.py exactly: fp32 `scale * qk + mask`, exp in natural units, so 
 finfo.min everywhere give eager's uniform weights and rows of -inf give 0 or NaN as asked.
 """
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, wait_for_previous_kernel
 
 # The query rows one program stacks (kv_group x seqlen_q), and the most per head (a decode step has
 # one; speculative decoding a few): beyond these the prefill kernel's tiles and mask skipping win.
@@ -233,11 +232,6 @@ def _attention_decode_combine_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
 
 
-@functools.lru_cache(maxsize=64)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_applies(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, is_causal: bool,
                    has_mask: bool, device: torch.device) -> bool:
     """Whether attention_fwd takes this kernel: a few query rows per KV group and no causal triangle
@@ -257,7 +251,7 @@ def decode_applies(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqle
         return False
     if not has_mask or INTERPRET or device.type != "cuda":
         return True
-    return num_splits(batch * nheads_kv, seqlen_k, device) > 1 or batch * nheads > _num_sms(device.index or 0)
+    return num_splits(batch * nheads_kv, seqlen_k, device) > 1 or batch * nheads > num_sms(device)
 
 
 def num_splits(programs: int, seqlen_k: int, device: torch.device) -> int:
@@ -267,7 +261,7 @@ def num_splits(programs: int, seqlen_k: int, device: torch.device) -> int:
         # Each program is a pass of Python: split only the longer caches of CPU tests (kernel tests
         # force their splits), so that model tests stay quick.
         return 2 if seqlen_k >= 512 else 1
-    sms = _num_sms(device.index or 0)
+    sms = num_sms(device)
     if programs >= sms:
         # Already a wave: splitting only adds partials and the combine (llama-7B geometry at batch 8
         # over 2k keys: 65.7 us unsplit at the copy bandwidth, 77.1 us in two splits; H200, 2026-11-28).

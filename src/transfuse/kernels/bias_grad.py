@@ -31,14 +31,13 @@ activation gradient (one fewer read of it) and finishes with reduce_partials fro
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, interpreter_large, next_power_of_2, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, interpreter_large, next_power_of_2, num_sms, pdl, wait_for_previous_kernel
 from transfuse.kernels.norm import _round_to
 
 
@@ -69,18 +68,11 @@ def bias_grad_config(n_cols: int) -> BiasGradConfig:
     return BiasGradConfig(BLOCK_M=4096 // block_n, BLOCK_N=block_n, num_warps=4, programs_per_sm=8)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def row_chunks(m: int, n_col_blocks: int, block_m: int, programs_per_sm: int,
                device: torch.device) -> tuple[int, int]:
     """(rows per chunk, number of chunks) splitting m rows so that chunks x n_col_blocks programs
     come near programs_per_sm per SM; a chunk is a whole number of BLOCK_M tiles."""
-    target = programs_per_sm * _num_sms(device)
+    target = programs_per_sm * num_sms(device, off_gpu=_INTERPRET_SMS)
     chunks = max(1, min(triton.cdiv(target, max(n_col_blocks, 1)), triton.cdiv(m, block_m)))
     rows_per_chunk = triton.cdiv(triton.cdiv(m, chunks), block_m) * block_m
     return rows_per_chunk, triton.cdiv(m, rows_per_chunk)

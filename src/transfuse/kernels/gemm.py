@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from transfuse.kernels._config import INTERPRET, compiling_only, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
+from transfuse.kernels._config import (INTERPRET, compiling_only, next_power_of_2, num_sms, pdl, tune_configs,
+                                      wait_for_previous_kernel)
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu", "tanh", "silu", "silu_mul")
 
@@ -529,12 +530,6 @@ _FIXED_TILES = {
 }
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: any small number; tests pass split_k explicitly
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_split_k(m: int, n: int, k: int, device: torch.device) -> int:
     """How many programs share the K range of a tile: enough to give every SM work when M is small
     and the output has few tiles, but no split shorter than 256 along K. Both thresholds are a
@@ -545,7 +540,7 @@ def default_split_k(m: int, n: int, k: int, device: torch.device) -> int:
         return 1
     tile_m, tile_n = (16, 64) if regime == "small" else (64, 128)
     tiles = triton.cdiv(m, tile_m) * triton.cdiv(n, tile_n)
-    sms = _num_sms(device)
+    sms = num_sms(device)  # interpreter: 4; tests pass split_k explicitly
     split = 1
     while tiles * split * 2 <= sms and k // (split * 2) >= 256:
         split *= 2

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels import split_counters
-from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, num_sms, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile_in_last_split,
                                     check_linear_args)
 
@@ -241,7 +241,7 @@ def split_candidates(n: int, k: int, device: torch.device, gated: bool = False) 
     blocks, steps = triton.cdiv(n, conf.block_n), triton.cdiv(max(k, 1), conf.block_k)
     if device.type != "cuda" or blocks > split_counters.CAPACITY or os.environ.get(NO_SPLIT_ENV) == "1":
         return [1]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms(device)
     out = {1}
     for target in (sms, 2 * sms):
         want = max(1, round(target / blocks))

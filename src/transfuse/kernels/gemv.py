@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels import gemv_kmajor
-from transfuse.kernels._config import INTERPRET, next_power_of_2, pdl, tune_configs, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _finish_tile, check_linear_args
 from transfuse.kernels.norm import _round_to
 from transfuse.kernels.norm_prologue import NormPrologue, launch_args
@@ -356,12 +356,6 @@ def _gemv_fwd_kernel(
 _REDUCE_BLOCK_N = 256
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: any small number
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _weight_layout_ok(weight: torch.Tensor) -> bool:
     # K contiguous: each thread streams 16-byte row segments. A transposed view (stride 1 along N)
     # read through this kernel's strides would go through a shared-memory layout conversion every
@@ -412,7 +406,7 @@ def norm_gemv_step(M: int, N: int, K: int, x: torch.Tensor, gated: bool = False)
     """(the heuristic's config, BLOCK_K, VEC, num_warps) of a norm-GEMV launch: one K step holds the
     whole row, with enough warps that a thread keeps at most 64 of its values. Kernels that must
     reproduce norm_gemv_fwd's per-column sums (kernels/qkv_rotary_cache.py) launch with these."""
-    conf = default_config(M, N, K, _num_sms(x.device), gated, norm=True)
+    conf = default_config(M, N, K, num_sms(x.device), gated, norm=True)
     vec = min(conf.block_k, 16 // x.element_size())
     block_k = max(next_power_of_2(K), conf.block_k)
     num_warps = conf.num_warps if INTERPRET else max(conf.num_warps, min(8, block_k // (64 * 32)))
@@ -454,7 +448,7 @@ def norm_gemv_fwd(
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     prologue = norm._replace(residual=res2)
     if gemv_kmajor.kmajor_layout(weight):
-        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, None, out, gemv_bucket(M), _num_sms(x.device),
+        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, None, out, gemv_bucket(M), num_sms(x.device),
                                     prologue, summed, normed=normed2)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     norm_args, norm_flags = launch_args(prologue, x2, summed, normed2)
@@ -512,12 +506,12 @@ def gemv_fwd(
         return out.view(*lead, N)
     res2 = residual.reshape(-1, N) if residual is not None else None
     if gemv_kmajor.kmajor_layout(weight):
-        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, res2, out, gemv_bucket(M), _num_sms(x.device),
+        gemv_kmajor.gemv_kmajor_fwd(x2, weight, bias, activation, res2, out, gemv_bucket(M), num_sms(x.device),
                                     config=config)
         return out.view(*lead, N)
 
     gated = activation == "silu_mul"
-    conf = GemvConfig(*config) if config is not None else default_config(M, N, K, _num_sms(x.device), gated)
+    conf = GemvConfig(*config) if config is not None else default_config(M, N, K, num_sms(x.device), gated)
     bucket = gemv_bucket(M)
     split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))
     epilogue = EpilogueOperands(out, bias, res2, activation, split_k)

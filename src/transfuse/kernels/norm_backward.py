@@ -34,14 +34,13 @@ column sum took 8.7 us for each of the two (1056, 768) buffers in GPT-2 124M's t
 launch takes 3.4 us.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from transfuse.kernels._config import INTERPRET, next_power_of_2
+from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms
 from transfuse.kernels.norm import (
     _SUPPORTED_DTYPES,
     _check_runnable,
@@ -74,14 +73,8 @@ _INTERPRET_PROGRAMS = 4
 
 def _max_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _PROGRAMS_PER_SM * _sm_count(index)
+        return _PROGRAMS_PER_SM * num_sms(device)
     return _INTERPRET_PROGRAMS
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def norm_bwd_config(n_rows: int, n_cols: int, max_programs: int) -> NormBwdConfig:
