@@ -60,7 +60,8 @@ def _run(env) -> dict:
 
 
 def test_precompile_then_no_compile_per_bucket(tmp_path):
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), TRANSFUSE_CACHE_DIR=str(tmp_path / "transfuse"))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), TRANSFUSE_CACHE_DIR=str(tmp_path / "transfuse"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's path: transfuse from src/ too
     first = _run(env)
     done, *later = first["precompiled"]
     assert not done["skipped"] and done["failed"] == 0, (first["report"], done)
