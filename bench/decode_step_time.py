@@ -30,8 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     disable = [p for p in args.disable.split(",") if p]
     label = args.label or (f"PDL={os.environ.get('TRANSFUSE_PDL', '1')} "
-                           f"decode_attn={os.environ.get('TRANSFUSE_DECODE_ATTENTION', '1')} "
-                           f"qkv_few_rows={os.environ.get('TRANSFUSE_QKV_FEW_ROWS', '1')} disable={','.join(disable) or '-'}")
+                           f"decode_attn={os.environ.get('TRANSFUSE_DECODE_ATTENTION', '1')} disable={','.join(disable) or '-'}")
     torch.manual_seed(0)
     model = transfuse.optimize(make_model(args.model).cuda().half().eval(), disable=disable)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")

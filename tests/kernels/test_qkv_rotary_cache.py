@@ -78,9 +78,8 @@ def test_fused_equals_norm_linear_then_rotary_cache_write(dtype, case):
 
 
 def test_other_inputs_run_the_two_kernels():
-    """Prefill-size x (past 32 rows), and cos/sin read with a stride along D: the op runs the
-    unfused pair (same results)."""
-    _check_equal(_case("cpu", torch.float16, 2, 17, 40, 4, 2, 16, 40, 2, True, False, False, True))
+    """Prefill-size x, and cos/sin read with a stride along D: the op runs the unfused pair (same results)."""
+    _check_equal(_case("cpu", torch.float16, 2, 3, 40, 4, 2, 16, 12, 2, True, False, False, True))
     args = _case("cpu", torch.float16, 1, 1, 40, 4, 2, 16, 9, 3, True, False, False, True)
     args["cos"] = torch.stack((args["cos"], -args["cos"]), dim=-1)[..., 0]
     args["sin"] = torch.stack((args["sin"], -args["sin"]), dim=-1)[..., 0]
@@ -88,60 +87,6 @@ def test_other_inputs_run_the_two_kernels():
     assert args["cos"].stride(-1) == 2 and not qkv_rotary_cache.qkv_rotary_cache_applies(
         args["x"], prologue, args["weight"], None, args["keys"], args["values"], args["cos"], args["sin"], 4)
     _check_equal(args)
-
-
-FEW_ROWS_CASES = [  # B, n, K, HQ, HK, D, L, start, residual, bias, layer_norm, batch_cos
-    (8, 1, 40, 4, 2, 16, 9, 5, True, False, False, True),    # a batch-8 decode step, GQA, 4 pairs a program
-    (3, 1, 100, 3, 1, 24, 9, 8, False, True, False, False),  # Qwen2's bias, the cache's last position, K tail
-    (2, 3, 36, 2, 2, 16, 9, 7, True, False, True, True),     # three new tokens, the last two past the cache; LayerNorm
-    (16, 2, 40, 4, 4, 16, 40, 3, True, True, False, False),  # 32 rows: the 32-row tile
-]
-
-
-def _close_to_fp32(args):
-    """The op's q, keys and values within twice the unfused ops' own error against their fp32 run
-    (the fused linear sums in another order); the returned sum bit for bit (the same norm kernel)."""
-    ref = _copy(args, torch.float32)
-    unfused = _copy(args)
-    ref_q, _ = _unfused(ref)
-    unfused_q, unfused_sum = _unfused(unfused)
-    q, summed = OPS.qkv_rotary_cache_write(**args)
-    assert torch.equal(summed, unfused_sum)
-    for name, ours, theirs, exact in (("q", q, unfused_q, ref_q), ("keys", args["keys"], unfused["keys"], ref["keys"]),
-                                      ("values", args["values"], unfused["values"], ref["values"])):
-        err = (ours.float() - exact).abs().max().item()
-        err_unfused = (theirs.float() - exact).abs().max().item()
-        assert err <= 2 * err_unfused + 1e-6, (name, err, err_unfused)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("case", FEW_ROWS_CASES)
-def test_few_rows_fused_is_as_close_to_fp32_as_unfused(dtype, case, monkeypatch):
-    """3-32 rows: the norm kernel, then the linear, rotary and cache write in one tensor-core launch
-    (kernels/qkv_rotary_cache_few_rows.py); and the same op with it turned off runs the two ops."""
-    from transfuse.kernels import qkv_rotary_cache_few_rows as few_rows
-
-    args = _case("cpu", dtype, *case)
-    assert few_rows.qkv_rotary_cache_few_rows_applies(args["x"], args["weight"], args["bias"], args["keys"],
-                                                      args["values"], args["cos"], args["sin"], args["q_heads"])
-    _close_to_fp32(args)
-    monkeypatch.setenv("TRANSFUSE_QKV_FEW_ROWS", "0")
-    _check_equal(_case("cpu", dtype, *case))
-
-
-def test_few_rows_kernel_refuses_what_it_does_not_take():
-    from transfuse.kernels import qkv_rotary_cache_few_rows as few_rows
-
-    a = _case("cpu", torch.float16, 8, 1, 40, 4, 2, 16, 9, 5, True, False, False, True)
-    parts = [a[k] for k in ("x", "weight", "bias", "keys", "values", "cos", "sin", "q_heads")]
-    applies = few_rows.qkv_rotary_cache_few_rows_applies
-    assert applies(*parts)
-    assert not applies(a["x"].float(), *parts[1:])                              # fp32: gemm_few_rows does not take it
-    assert not applies(a["x"].repeat(5, 1, 1), *parts[1:])                      # 40 rows
-    assert not applies(*parts[:3], a["keys"].transpose(-1, -2), *parts[4:])     # D not contiguous
-    assert not applies(*parts[:7], 3)                                           # heads that do not add up
-    with pytest.raises(ValueError, match="rotary_kv_cache_write_fwd"):
-        few_rows.qkv_rotary_cache_few_rows_fwd(a["x"].float(), *parts[1:7], a["start"], 4)
 
 
 def test_bad_input_is_named_and_opcheck():
@@ -182,15 +127,3 @@ def test_fused_is_as_close_to_fp32_as_unfused_on_gpu(dtype, B, HQ, HK, D, bias):
         err = (ours.float() - exact).abs().max().item()
         err_unfused = (theirs.float() - exact).abs().max().item()
         assert err <= 2 * err_unfused + 1e-6, (name, err, err_unfused)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("B,n,HQ,HK,D,bias", [(8, 1, 32, 4, 64, False), (16, 1, 28, 4, 128, True),
-                                              (3, 1, 16, 16, 80, False), (4, 8, 32, 8, 128, False)])
-def test_few_rows_fused_on_gpu(dtype, B, n, HQ, HK, D, bias):
-    """Batched decode steps (and a 4 x 8-token prompt chunk) of Llama-1.1B's, Qwen2-7B's, an MHA head
-    dim 80's and Llama-3-8B's attention sizes: within twice the unfused ops' error against fp32."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    _close_to_fp32(_case("cuda", dtype, B, n, HQ * D, HQ, HK, D, 300, 290, True, bias, False, True))

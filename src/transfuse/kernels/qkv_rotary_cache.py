@@ -42,56 +42,6 @@ from transfuse.kernels.gemv import _normed_rows
 from transfuse.kernels.norm_prologue import NormPrologue, launch_args
 
 
-@triton.jit
-def _rotary_cache_epilogue(acc_lo, acc_hi, rows, ok, head, col, lo, n, L,
-                           bias_ptr, q_out_ptr, keys_ptr, stride_keys_b, stride_keys_h, stride_keys_s,
-                           values_ptr, stride_values_b, stride_values_h, stride_values_s,
-                           cos_ptr, stride_cos_b, stride_cos_s, sin_ptr, stride_sin_b, stride_sin_s, start_ptr,
-                           HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The end of a fused Q/K/V projection: fp32 sums (rows, pairs) of each pair's first (acc_lo) and
-    second (acc_hi) column, plus the bias, rounded to the output's dtype (the linear's stored
-    output), rotated in fp32 and rounded once more (kernels.rotary's formula); q's into q_out, k's
-    and v's into the cache at start + the row's token (rows whose `ok` is false, and positions past
-    L, are not stored). Shared by the GEMV kernel here and kernels/qkv_rotary_cache_few_rows.py."""
-    HALF: tl.constexpr = D // 2
-    DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc_lo += tl.load(bias_ptr + lo).to(tl.float32)[None, :]
-        acc_hi += tl.load(bias_ptr + lo + HALF).to(tl.float32)[None, :]
-    # the linear's output as it would be stored, and read back by the rotary
-    a = acc_lo.to(DTYPE).to(tl.float32)
-    b = acc_hi.to(DTYPE).to(tl.float32)
-
-    # row m is token s = m % n of sequence m // n
-    seq = rows // n
-    tok = rows % n
-    c_lo = tl.load(cos_ptr + (seq * stride_cos_b + tok * stride_cos_s)[:, None] + col[None, :]).to(tl.float32)
-    c_hi = tl.load(cos_ptr + (seq * stride_cos_b + tok * stride_cos_s)[:, None] + (col + HALF)[None, :]).to(tl.float32)
-    s_lo = tl.load(sin_ptr + (seq * stride_sin_b + tok * stride_sin_s)[:, None] + col[None, :]).to(tl.float32)
-    s_hi = tl.load(sin_ptr + (seq * stride_sin_b + tok * stride_sin_s)[:, None] + (col + HALF)[None, :]).to(tl.float32)
-    # kernels.rotary._rotate: x * cos + (sign * partner) * sin, sign -1 on the first half
-    is_v = (head >= HQ + HK)[None, :]
-    out_lo = tl.where(is_v, a, a * c_lo + (-b) * s_lo)
-    out_hi = tl.where(is_v, b, b * c_hi + a * s_hi)
-
-    is_q = (head < HQ)[None, :]
-    q_ptrs = q_out_ptr + ((seq[:, None] * HQ + head[None, :]) * n + tok[:, None]) * D + col[None, :]
-    tl.store(q_ptrs, out_lo.to(q_out_ptr.dtype.element_ty), mask=ok & is_q)
-    tl.store(q_ptrs + HALF, out_hi.to(q_out_ptr.dtype.element_ty), mask=ok & is_q)
-
-    pos = tl.load(start_ptr).to(tl.int64) + tok
-    in_cache = ok & (pos < L)[:, None]
-    is_k = ~is_q & ~is_v
-    k_ptrs = (keys_ptr + (seq * stride_keys_b + pos * stride_keys_s)[:, None]
-              + (head - HQ).to(tl.int64)[None, :] * stride_keys_h + col[None, :])
-    tl.store(k_ptrs, out_lo.to(keys_ptr.dtype.element_ty), mask=in_cache & is_k)
-    tl.store(k_ptrs + HALF, out_hi.to(keys_ptr.dtype.element_ty), mask=in_cache & is_k)
-    v_ptrs = (values_ptr + (seq * stride_values_b + pos * stride_values_s)[:, None]
-              + (head - HQ - HK).to(tl.int64)[None, :] * stride_values_h + col[None, :])
-    tl.store(v_ptrs, out_lo.to(values_ptr.dtype.element_ty), mask=in_cache & is_v)
-    tl.store(v_ptrs + HALF, out_hi.to(values_ptr.dtype.element_ty), mask=in_cache & is_v)
-
-
 @triton.jit(do_not_specialize=["M", "n", "L"])
 def _qkv_rotary_cache_fwd_kernel(
     x_ptr, stride_x_m,
@@ -124,6 +74,7 @@ def _qkv_rotary_cache_fwd_kernel(
     HALF: tl.constexpr = D // 2
     PAIRS: tl.constexpr = (HQ + 2 * HK) * HALF
     LANES: tl.constexpr = BLOCK_K // VEC
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -157,11 +108,42 @@ def _qkv_rotary_cache_fwd_kernel(
     acc_lo = tl.sum(acc_lo, axis=2)
     acc_hi = tl.sum(acc_hi, axis=2)
 
-    _rotary_cache_epilogue(acc_lo, acc_hi, rows, (offs_m < M)[:, None] & pair_ok[None, :], head, col, lo, n, L,
-                           bias_ptr, q_out_ptr, keys_ptr, stride_keys_b, stride_keys_h, stride_keys_s,
-                           values_ptr, stride_values_b, stride_values_h, stride_values_s,
-                           cos_ptr, stride_cos_b, stride_cos_s, sin_ptr, stride_sin_b, stride_sin_s, start_ptr,
-                           HQ, HK, D, HAS_BIAS)
+    if HAS_BIAS:
+        acc_lo += tl.load(bias_ptr + lo).to(tl.float32)[None, :]
+        acc_hi += tl.load(bias_ptr + lo + HALF).to(tl.float32)[None, :]
+    # the linear's output as it would be stored, and read back by the rotary
+    a = acc_lo.to(DTYPE).to(tl.float32)
+    b = acc_hi.to(DTYPE).to(tl.float32)
+
+    # row m is token s = m % n of sequence m // n
+    seq = rows // n
+    tok = rows % n
+    c_lo = tl.load(cos_ptr + (seq * stride_cos_b + tok * stride_cos_s)[:, None] + col[None, :]).to(tl.float32)
+    c_hi = tl.load(cos_ptr + (seq * stride_cos_b + tok * stride_cos_s)[:, None] + (col + HALF)[None, :]).to(tl.float32)
+    s_lo = tl.load(sin_ptr + (seq * stride_sin_b + tok * stride_sin_s)[:, None] + col[None, :]).to(tl.float32)
+    s_hi = tl.load(sin_ptr + (seq * stride_sin_b + tok * stride_sin_s)[:, None] + (col + HALF)[None, :]).to(tl.float32)
+    # kernels.rotary._rotate: x * cos + (sign * partner) * sin, sign -1 on the first half
+    is_v = (head >= HQ + HK)[None, :]
+    out_lo = tl.where(is_v, a, a * c_lo + (-b) * s_lo)
+    out_hi = tl.where(is_v, b, b * c_hi + a * s_hi)
+
+    ok = (offs_m < M)[:, None] & pair_ok[None, :]
+    is_q = (head < HQ)[None, :]
+    q_ptrs = q_out_ptr + ((seq[:, None] * HQ + head[None, :]) * n + tok[:, None]) * D + col[None, :]
+    tl.store(q_ptrs, out_lo.to(q_out_ptr.dtype.element_ty), mask=ok & is_q)
+    tl.store(q_ptrs + HALF, out_hi.to(q_out_ptr.dtype.element_ty), mask=ok & is_q)
+
+    pos = tl.load(start_ptr).to(tl.int64) + tok
+    in_cache = ok & (pos < L)[:, None]
+    is_k = ~is_q & ~is_v
+    k_ptrs = (keys_ptr + (seq * stride_keys_b + pos * stride_keys_s)[:, None]
+              + (head - HQ).to(tl.int64)[None, :] * stride_keys_h + col[None, :])
+    tl.store(k_ptrs, out_lo.to(keys_ptr.dtype.element_ty), mask=in_cache & is_k)
+    tl.store(k_ptrs + HALF, out_hi.to(keys_ptr.dtype.element_ty), mask=in_cache & is_k)
+    v_ptrs = (values_ptr + (seq * stride_values_b + pos * stride_values_s)[:, None]
+              + (head - HQ - HK).to(tl.int64)[None, :] * stride_values_h + col[None, :])
+    tl.store(v_ptrs, out_lo.to(values_ptr.dtype.element_ty), mask=in_cache & is_v)
+    tl.store(v_ptrs + HALF, out_hi.to(values_ptr.dtype.element_ty), mask=in_cache & is_v)
 
 
 # Under the interpreter: a few pairs a program, so that tiny test heads span several programs.

@@ -14,23 +14,18 @@ contraction of the rotary's multiply-adds, a last-bit difference):
     q, k, v = qkv's [q_heads | HK | HK] heads of D columns, as (B, H, n, D) views (HK, D: the cache's)
     q_rot = transfuse.rotary_kv_cache_write(keys, values, q, k, v, cos, sin, start)
 
-For 3-32 rows (a batch's decode step, a short prompt), or where the GEMV kernel does not take the
-norm, the norm runs as its own launch and the linear, rotary and cache write as one on tensor cores
-(kernels.qkv_rotary_cache_few_rows; TRANSFUSE_QKV_FEW_ROWS=0 turns it off). Where neither applies
-(more rows, heads not shared by cos/sin, other layouts) the op runs exactly the two ops. Forward only.
+Where the fused kernel does not apply (more rows than a decode step, heads not shared by cos/sin,
+other layouts) the op runs exactly those two. Forward only.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from transfuse.kernels import gemm as gemm_kernels
-from transfuse.kernels import norm as norm_kernels
 from transfuse.kernels import qkv_rotary_cache as kernels
-from transfuse.kernels import qkv_rotary_cache_few_rows as few_rows
 from transfuse.kernels._config import INTERPRET
 from transfuse.kernels.kv_cache import check_rotary_kv_cache_write_args, rotary_kv_cache_write_fwd
 from transfuse.kernels.norm_prologue import NormPrologue
@@ -49,26 +44,6 @@ def _check(x, weight, bias, keys, q_heads) -> tuple[int, int, int]:
         raise ValueError(f"qkv_rotary_cache_write: the linear gives {n_out} columns, not (q_heads {q_heads} + "
                          f"2 x kv_heads {HK}) x head_dim {D}")
     return x.shape[0], x.shape[1], D
-
-
-FEW_ROWS_ENV = "TRANSFUSE_QKV_FEW_ROWS"  # =0: 3-32 rows run the two ops (A/B runs)
-
-
-def few_rows_fused(x, weight, bias, keys, values, cos, sin, q_heads) -> bool:
-    """Whether the op takes the norm kernel then kernels.qkv_rotary_cache_few_rows."""
-    return ((x.is_cuda or INTERPRET) and gemm_backend() != "torch" and os.environ.get(FEW_ROWS_ENV) != "0"
-            and few_rows.qkv_rotary_cache_few_rows_applies(x, weight, bias, keys, values, cos, sin, q_heads))
-
-
-def _norm(x, residual, norm_weight, norm_bias, eps, weight_offset, cast_before_weight, layer_norm):
-    """(the normalised rows, x + residual or an empty (0,) tensor): the norm ops' kernels."""
-    if layer_norm:
-        if residual is None:
-            return norm_kernels.layer_norm_fwd(x, norm_weight, norm_bias, eps), x.new_empty((0,))
-        return norm_kernels.add_layer_norm_fwd(x, residual, norm_weight, norm_bias, eps, True)
-    if residual is None:
-        return norm_kernels.rms_norm_fwd(x, norm_weight, eps, weight_offset, cast_before_weight), x.new_empty((0,))
-    return norm_kernels.add_rms_norm_fwd(x, residual, norm_weight, eps, weight_offset, cast_before_weight, True)
 
 
 @torch.library.custom_op("transfuse::qkv_rotary_cache_write", mutates_args=("keys", "values"))
@@ -97,10 +72,6 @@ def qkv_rotary_cache_write(
     if ((x.is_cuda or INTERPRET) and gemm_backend() != "torch"
             and kernels.qkv_rotary_cache_applies(x, prologue, weight, bias, keys, values, cos, sin, q_heads)):
         return kernels.qkv_rotary_cache_fwd(x, prologue, weight, bias, keys, values, cos, sin, start, q_heads)
-    if few_rows_fused(x, weight, bias, keys, values, cos, sin, q_heads):
-        normed, summed = _norm(x, residual, norm_weight, norm_bias, eps, weight_offset, cast_before_weight, layer_norm)
-        return (few_rows.qkv_rotary_cache_few_rows_fwd(normed, weight, bias, keys, values, cos, sin, start, q_heads),
-                summed)
     if layer_norm:
         qkv, summed, _ = torch.ops.transfuse.layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, "none")
     else:
