@@ -404,15 +404,10 @@ def _strip_copy(clone: torch.nn.Module, state: _State) -> None:
     the model (parameters stay views of the copied merged weights: the same values)."""
     d = clone.__dict__
     d.pop(_STATE, None)
-    d.pop(_generation._PREPARE, None)
-    for name, owned in (("forward", state.forward), ("generate", getattr(state, "generate", None)),
-                        ("create_masks_for_generate", _generation.masks_for_generate),
-                        (_encoder._PREPARE, getattr(state, "encoder_prepare", None))):
-        if owned is not None and d.get(name) is owned:
-            del d[name]
-    original_class = type(clone).__dict__.get("_transfuse_class_of")
-    if original_class is not None:
-        clone.__class__ = original_class
+    if d.get("forward") is state.forward:
+        del d["forward"]
+    _generation.unpatch(clone, state)
+    _encoder.unpatch(clone, state)
     if hasattr(state, "disable_compile_was"):
         clone.generation_config.disable_compile = state.disable_compile_was
     _branchless.undo_on(clone)

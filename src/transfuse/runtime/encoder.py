@@ -81,18 +81,27 @@ def install(model: torch.nn.Module, state, options: dict) -> None:
         return prepare(*args, **kwargs)
 
     model.__dict__[_PREPARE] = prepare_with_compiled_encoder
-    state.encoder_prepare = prepare_with_compiled_encoder  # what a deep copy drops (capture._strip_copy)
+    state.encoder_prepare = prepare_with_compiled_encoder  # what unpatch() takes off (by identity)
     state.encoder_call = call
     state.encoder_failure = None
 
 
+def unpatch(model: torch.nn.Module, state) -> None:
+    """Takes install()'s encoder hook off `model` if it is still there (also on a deep copy of an
+    optimized model, which shares the hook's function object: capture._strip_copy)."""
+    prepare = getattr(state, "encoder_prepare", None)
+    if prepare is not None and model.__dict__.get(_PREPARE) is prepare:
+        del model.__dict__[_PREPARE]
+
+
 def uninstall(model: torch.nn.Module, state) -> None:
+    """restore()'s part: unpatch(), then the compiled encoder restored and let go."""
     call = getattr(state, "encoder_call", None)
     if call is None:
         return
     from transfuse.capture import restore
 
-    model.__dict__.pop(_PREPARE, None)
+    unpatch(model, state)
     restore(call)
     state.encoder_call = None
 

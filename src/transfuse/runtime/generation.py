@@ -320,18 +320,28 @@ def _user_named_no_cache(model, args, kwargs) -> bool:
             and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False)
 
 
+def unpatch(model: torch.nn.Module, state) -> None:
+    """Takes off `model` what install() set on it, each piece only if it is still install()'s: the
+    decode loop's subclass, the cache hook, generate() and the masks hook. Changes nothing else, so
+    it also cleans a deep copy of an optimized model (capture._strip_copy), whose cache hook is None:
+    transfuse's own objects are not copied."""
+    original_class = type(model).__dict__.get("_transfuse_class_of")
+    if original_class is not None:
+        model.__class__ = original_class
+    d = model.__dict__
+    if _PREPARE in d and (d[_PREPARE] is None or d[_PREPARE] is state.static_cache):
+        del d[_PREPARE]
+    for name, owned in (("generate", getattr(state, "generate", None)), ("create_masks_for_generate", masks_for_generate)):
+        if owned is not None and d.get(name) is owned:
+            del d[name]
+
+
 def uninstall(model: torch.nn.Module, state) -> None:
+    """restore()'s part: unpatch(), then the reused caches and the decode loop let go."""
     reuse = state.static_cache
     if reuse is None:
         return
-    if state.decode_loop is not None:
-        model.__class__ = type(model).__dict__.get("_transfuse_class_of", type(model))
-        state.decode_loop = None
-    if model.__dict__.get(_PREPARE) is reuse:
-        del model.__dict__[_PREPARE]
-    if model.__dict__.get("generate") is state.generate:
-        del model.__dict__["generate"]
-    if model.__dict__.get("create_masks_for_generate") is masks_for_generate:
-        del model.__dict__["create_masks_for_generate"]
+    unpatch(model, state)
+    state.decode_loop = None
     reuse.caches.clear()
     state.static_cache = None
