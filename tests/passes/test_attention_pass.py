@@ -220,6 +220,68 @@ def test_attention_with_sinks(variant, matches):
     assert rel_err(out, ref) < 1e-5
 
 
+class WithLseSinks(torch.nn.Module):
+    """Granite-SWA's sinks: the value product scaled by sigmoid(logsumexp(scores) - sink), one sink
+    per head. `lse_of_raw`: the logsumexp taken before the mask (another meaning: left alone);
+    `per_query`: sinks that vary along the queries (left alone); `fp32_product`: the scale left in
+    fp32, so the product is not in the output's dtype (left alone)."""
+
+    def __init__(self, variant: str, heads: int = 4, dim: int = 16):
+        super().__init__()
+        self.variant, self.heads, self.dim = variant, heads, dim
+        self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim)
+        self.sinks = torch.nn.Parameter(torch.randn(heads) * 2)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.heads, self.dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        raw = torch.matmul(q, k.transpose(2, 3)) * self.dim**-0.5
+        att = raw + mask
+        lse = torch.logsumexp(raw if self.variant == "lse_of_raw" else att, dim=-1)
+        sinks = self.sinks.view(1, -1, 1)
+        if self.variant == "per_query":
+            sinks = sinks * torch.arange(t, dtype=x.dtype)[None, None, :]
+        scale = (lse - sinks).to(torch.float32).sigmoid()
+        probs = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v)
+        scale = scale.unsqueeze(-1)
+        return out * (scale.double() if self.variant == "fp32_product" else scale.to(out.dtype))
+
+
+@pytest.mark.parametrize("variant,matches", [("granite", 1), ("lse_of_raw", 0), ("per_query", 0),
+                                             ("fp32_product", 0)])
+def test_attention_with_sinks_after_the_value_product(variant, matches):
+    """Rows that see no key (finfo.min padding of row 1) give 0 like eager."""
+    torch.manual_seed(0)
+    model = WithLseSinks(variant).eval()
+    x = torch.randn(2, 11, 64)
+    mask = torch.zeros(2, 1, 11, 11).masked_fill(torch.ones(11, 11, dtype=torch.bool).triu(1), float("-inf"))
+    mask[1, :, :, :4] = torch.finfo(torch.float32).min
+    mask[1, :, 2] = torch.finfo(torch.float32).min
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, mask)
+    assert rewrites.get("ManualAttention", 0) == matches, (rewrites, [r.reason for r in rejections])
+    if not matches:
+        assert any("ManualAttention" == r.pattern for r in rejections)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_granite_swa_attention_with_sinks_matches_eager():
+    """Hugging Face's Granite-SWA (eager attention, its sinks applied after the value product, a
+    sliding and a full layer): every attention rewritten, logits as eager's."""
+    import transformers
+
+    config = transformers.GraniteSWAConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, max_position_embeddings=64, vocab_size=97, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GraniteSWAForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    _rewritten_like_eager(model, "ManualAttention", 2)
+
+
 def _rewritten_like_eager(model, pattern: str, matches: int) -> None:
     """A causal LM's logits through optimize() equal eager's on a left-padded batch of two, with
     `matches` rewrites of `pattern`."""

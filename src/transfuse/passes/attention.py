@@ -11,7 +11,8 @@ Two source idioms:
   whatever its value or spelling), additive masks of any broadcastable shape, a boolean mask applied
   with `masked_fill(-inf)` or `torch.where`, dtype casts around the softmax; no literal constant
   is ever compared against. Also with sinks (GPT-OSS: one logit per head concatenated to the scores,
-  its column dropped after the softmax; passes/attention_sinks.py), with the row maximum
+  its column dropped after the softmax; Granite-SWA: the output scaled by sigmoid(logsumexp(scores) -
+  sink); passes/attention_sinks.py), with the row maximum
   subtracted before the softmax, and with 3-D scores viewed to (batch, heads, ...) for a 4-D mask
   and clamped at finfo.min (XGLM, FSMT; passes/attention_views.py).
 
@@ -31,7 +32,7 @@ import torch.fx as fx
 from transfuse.kernels.attention import MAX_HEAD_DIM
 from transfuse.ops.attention import mask_summary_for
 from transfuse.passes import causal_mask
-from transfuse.passes.attention_sinks import drops_last_column, row_max, sink_column
+from transfuse.passes.attention_sinks import drops_last_column, is_row_logsumexp, lse_sink_scale, row_max, sink_column
 from transfuse.passes.attention_views import floor_clamp, heads_view
 
 from transfuse.passes.graph import (
@@ -262,6 +263,17 @@ def _match_manual(softmax: fx.Node) -> dict:
     if not drop_last and not same_shape(shape(cur), scores_shape):
         raise Reject("the probabilities are viewed to another shape before the value product")
     v = pv.args[1]
+    out = pv
+
+    # Sinks applied after the value product, as a scale from the scores' row logsumexp (Granite-SWA)
+    scores_in = arg(softmax, 0, "input")
+    lse = [u for u in scores_in.users if is_row_logsumexp(u, scores_in)] if isinstance(scores_in, fx.Node) else []
+    lse_sinks = None
+    if len(lse) == 1:
+        found = lse_sink_scale(lse[0], pv)
+        if found is None or drop_last:
+            raise Reject("the scores' row logsumexp is read otherwise than as a sink scale of the output")
+        out, lse_sinks = found
 
     # Backward from the softmax input: casts, scalar scales, masks, down to `q @ k^T`.
     scale = 1.0
@@ -276,7 +288,7 @@ def _match_manual(softmax: fx.Node) -> dict:
         if not isinstance(x, fx.Node):
             raise Reject("softmax input is not a graph value")
         k = kind(x)
-        if len(set(x.users) - row_maxima) != 1:
+        if len(set(x.users) - row_maxima - (set(lse) if x is scores_in else set())) != 1:
             raise Reject(f"intermediate score tensor '{x.name}' has other users")
         chain.append(x)
         if (column := sink_column(x)) is not None:
@@ -356,10 +368,12 @@ def _match_manual(softmax: fx.Node) -> dict:
         raise Reject("more than one boolean mask")
     if drop_last and sinks is None:
         raise Reject("the softmax output loses its last column, which no sink column made")
+    if lse_sinks is not None:
+        sinks = lse_sinks
     if floor is not None and bool_masks:
         raise Reject("a floor clamp of the scores with a boolean mask")
     return dict(
-        out=pv, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
+        out=out, q=q, k=kt, v=v, k_transposed=True, masks=masks, bool_masks=bool_masks, scale=scale,
         is_causal=False, masked_rows_zero=False, chain=chain, dropout_p=dropout_p, sinks=sinks, floor=floor,
         heads_shape=heads_shape if len(scores_shape) == 3 else None,
         # Under autocast both matmuls run in its dtype whatever q, k and v hold (CodeGen upcasts q and

@@ -13,6 +13,15 @@ Read by meaning, each piece on its own: a row maximum subtracted from the scores
 change when every score of a row moves by one value, so it is dropped wherever it appears), a sink
 column concatenated after the keys, and that last column dropped after the softmax. The sink must
 be one value per query head (broadcast over batch and queries): the kernel reads one float per head.
+
+Granite-SWA (transformers/models/granite_swa/modeling_granite_swa.py) writes the same sink after the
+value product instead:
+
+    lse = torch.logsumexp(scores, dim=-1)
+    out = (softmax(scores) @ v) * sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)    (casts anywhere)
+
+sigmoid(lse - sink) = sum(e^s) / (sum(e^s) + e^sink): the sink logit in the softmax's denominator,
+GPT-OSS's meaning (lse_sink_scale).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import arg, tensor_meta
+from transfuse.passes.graph import arg, kind, single_user, tensor_meta
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 
@@ -95,3 +104,51 @@ def sink_column(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if shape[1] != heads or any(s != 1 for i, s in enumerate(shape) if i != 1):
         return None  # sinks that vary by batch or query: not one value per head
     return parts[0], sinks
+
+
+def is_row_logsumexp(node, of: fx.Node) -> bool:
+    """`torch.logsumexp(of, dim=-1)` (or the method), without keepdim."""
+    if not isinstance(node, fx.Node) or not ((node.op == "call_function" and node.target is torch.logsumexp)
+                                             or _is_method(node, "logsumexp")):
+        return False
+    meta = tensor_meta(of)
+    return (node.args[0] is of and meta is not None and _last_dim(arg(node, 1, "dim"), meta.dim())
+            and not arg(node, 2, "keepdim", False))
+
+
+def lse_sink_scale(lse: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the product that ends the pattern, the sinks) for Granite-SWA's `output * sigmoid(lse -
+    sinks.view(1, -1, 1)).unsqueeze(-1)` (casts anywhere on the scale's path), where `lse` is the
+    scores' row logsumexp (is_row_logsumexp) and `output` the value product; else None. The sinks must
+    be one value per query head and the product keep `output`'s dtype."""
+    sub = single_user(lse)
+    if sub is None or kind(sub) != "sub" or sub.args[0] is not lse:
+        return None
+    sinks, lse_meta = sub.args[1], tensor_meta(lse)
+    meta = tensor_meta(sinks)
+    if lse_meta is None or lse_meta.dim() != 3 or meta is None or meta.dim() > 3:
+        return None
+    heads = lse_meta.shape[1]
+    shape = (1,) * (3 - meta.dim()) + tuple(meta.shape)
+    if not isinstance(heads, int) or shape != (1, heads, 1):
+        return None  # sinks that vary by batch or query: not one value per head
+    cur, sigmoids = sub, 0
+    while (user := single_user(cur)) is not None and user.op != "output":
+        k = kind(user)
+        if k == "sigmoid":
+            sigmoids += 1
+        elif k == "to" or (_is_method(user, "unsqueeze") and arg(user, 1, "dim") in (-1, 3)):
+            pass
+        else:
+            break
+        cur = user
+    product = single_user(cur)
+    if sigmoids != 1 or tensor_meta(cur) is None or tensor_meta(cur).dim() != 4 or product is None:
+        return None
+    if kind(product) != "mul" or {id(a) for a in product.args[:2]} != {id(cur), id(output)}:
+        return None
+    out_meta, product_meta = tensor_meta(output), tensor_meta(product)
+    if single_user(output) is not product or out_meta is None or product_meta is None \
+            or product_meta.dtype != out_meta.dtype or tuple(product_meta.shape) != tuple(out_meta.shape):
+        return None
+    return product, sinks
