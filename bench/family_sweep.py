@@ -509,6 +509,43 @@ FAMILIES += [
      dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8,
           mamba_n_groups=1, mamba_chunk_size=8, layer_types=["mamba", "attention"]), None),
 ]
+# session 32: decoder families new in transformers 5.x, not swept before (experts cut to 4, 2 per token)
+_FEW_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES += [
+    ("ministral3", "dec", "Ministral3Config", "Ministral3ForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("cwm", "dec", "CwmConfig", "CwmForCausalLM", dict(_LLAMA, head_dim=16), None),  # Llama-3 with local layers
+    ("hyperclovax", "dec", "HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("jais2", "dec", "Jais2Config", "Jais2ForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("olmo_hybrid", "dec", "OlmoHybridConfig", "OlmoHybridForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("gpt_neox_japanese", "dec", "GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM", dict(_LLAMA), None),
+    ("granite_swa", "dec", "GraniteSWAConfig", "GraniteSWAForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("granitemoe_swa", "dec", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("granitemoeshared", "dec", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(_LLAMA, head_dim=16),
+     None),
+    ("cohere2_moe", "dec", "Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("hrm_text", "dec", "HrmTextConfig", "HrmTextForCausalLM", dict(_LLAMA, head_dim=16), None),
+    ("minimax_m2", "dec", "MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+     dict(_LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2), None),
+    ("exaone_moe", "dec", "ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_experts=4),
+     None),
+    ("mellum", "dec", "MellumConfig", "MellumForCausalLM", dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_local_experts=4),
+     None),
+    ("laguna", "dec", "LagunaConfig", "LagunaForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_experts=4, shared_expert_intermediate_size=32), None),
+    ("afmoe", "dec", "AfmoeConfig", "AfmoeForCausalLM", dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_experts=4), None),
+    ("zaya", "dec", "ZayaConfig", "ZayaForCausalLM", dict(_LLAMA, head_dim=16, num_experts=4, moe_intermediate_size=32),
+     None),
+    ("hy_v3", "dec", "HYV3Config", "HYV3ForCausalLM", dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_experts=4), None),
+    ("solar_open", "dec", "SolarOpenConfig", "SolarOpenForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, n_routed_experts=4), None),
+    ("deepseek_v4", "dec", "DeepseekV4Config", "DeepseekV4ForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, n_routed_experts=4, q_lora_rank=32, o_lora_rank=32), None),
+    ("nemotron_h", "dec", "NemotronHConfig", "NemotronHForCausalLM",
+     dict(_LLAMA, head_dim=16, n_routed_experts=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+          mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8), None),  # Mamba-2, MoE, attention
+    ("gemma4_text", "dec", "Gemma4TextConfig", "Gemma4ForCausalLM",  # per-layer inputs, local and global layers
+     dict(_LLAMA, head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16), None),
+]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
 BY_NAME = {f[0]: f for f in FAMILIES}

@@ -298,6 +298,8 @@ _PURE_METHODS = frozenset({
     # views into pieces: a fused projection's output split after its readers moved to a merged op
     # (Phi-3's gate_up_proj, chunked, once SwiGLU reads the weight itself) keeps the GEMM alive
     "chunk", "split", "unbind", "tensor_split", "split_with_sizes",
+    # row reductions that hand-written attention with sinks reads beside the softmax (passes/attention_sinks.py)
+    "logsumexp", "max", "amax",
 })
 _PURE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
@@ -307,6 +309,7 @@ _PURE_FUNCTIONS = frozenset({
     # and the BART family's, made a select (branchless.py, passes/clamp.py's OverflowSelect)
     torch.isfinite, torch.logical_not, torch.logical_or, torch.logical_and, torch.clamp, torch.where,
     torch.chunk, torch.split, torch.unbind, torch.tensor_split,
+    torch.logsumexp, torch.max, torch.amax,
 })
 
 
