@@ -335,3 +335,21 @@ def test_xglm_attention_viewed_to_heads_matches_eager():
     torch.manual_seed(0)
     model = transformers.XGLMForCausalLM(config).eval()
     _rewritten_like_eager(model, "ManualAttention", 2)
+
+
+def test_a_router_softmax_is_no_attention_candidate():
+    """An MoE router's softmax over 2-D rows (tokens x experts) is neither rewritten nor listed among
+    the attention candidates left alone."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return torch.softmax(self.gate(x.view(-1, 16)), dim=-1)
+
+    torch.manual_seed(0)
+    ref, out, rewrites, rejections = eager_then_optimized(Router().eval(), torch.randn(2, 5, 16))
+    assert not any(r.pattern == "ManualAttention" for r in rejections), rejections
+    assert rel_err(out, ref) < 1e-6

@@ -71,6 +71,8 @@ def run(ctx: PassContext) -> None:
         if k == "sdpa":
             pattern, matcher = SDPA, _match_sdpa
         elif k == "softmax":
+            if (scores := shape(node)) is not None and len(scores) < 3:
+                continue  # a softmax over 1-D or 2-D rows (an MoE router's) is no attention candidate
             pattern, matcher = MANUAL, _match_manual
         else:
             continue
