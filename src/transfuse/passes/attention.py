@@ -276,6 +276,8 @@ def _match_manual(softmax: fx.Node) -> dict:
         if found is None or drop_last:
             raise Reject("the scores' row logsumexp is read otherwise than as a sink scale of the output")
         out, lse_sinks = found
+    else:
+        lse = []  # several: the scores have other users (below)
 
     # Backward from the softmax input: casts, scalar scales, masks, down to `q @ k^T`.
     scale = 1.0
