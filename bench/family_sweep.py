@@ -546,6 +546,20 @@ FAMILIES += [
     ("gemma4_text", "dec", "Gemma4TextConfig", "Gemma4ForCausalLM",  # per-layer inputs, local and global layers
      dict(_LLAMA, head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16), None),
 ]
+# session 32: encoder families new in transformers 5.x (MRA, YOSO: their CPU paths)
+_ENC = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+            vocab_size=VOCAB, pad_token_id=PAD)
+FAMILIES += [
+    ("esmc", "enc", "EsmcConfig", "EsmcForMaskedLM", dict(_ENC), None),
+    ("jina_embeddings_v3", "enc", "JinaEmbeddingsV3Config", "JinaEmbeddingsV3ForMaskedLM", dict(_ENC), None),
+    ("nomic_bert", "enc", "NomicBertConfig", "NomicBertForMaskedLM", dict(_ENC), None),
+    ("neomme", "enc", "NeoMMEConfig", "NeoMMEForMaskedLM", dict(_ENC), None),
+    ("roc_bert", "enc", "RoCBertConfig", "RoCBertForMaskedLM",  # shape and pronunciation embeddings beside the ids
+     dict(_ENC, shape_vocab_size=VOCAB, pronunciation_vocab_size=VOCAB), None),
+    ("tapas", "enc", "TapasConfig", "TapasForMaskedLM", dict(_ENC), None),  # seven token-type embeddings
+    ("mra", "enc", "MraConfig", "MraForMaskedLM", dict(_ENC), None),
+    ("yoso", "enc", "YosoConfig", "YosoForMaskedLM", dict(_ENC), None),
+]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
 BY_NAME = {f[0]: f for f in FAMILIES}
