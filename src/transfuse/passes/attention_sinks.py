@@ -96,14 +96,20 @@ def sink_column(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     sinks = parts[1]
     while _is_method(sinks, "expand", "expand_as"):
         sinks = sinks.args[0]
-    meta = tensor_meta(sinks)
-    heads = scores.shape[1]
-    if meta is None or not isinstance(heads, int) or meta.dim() > 4 or meta.numel() != heads:
+    if not _one_per_head(sinks, scores.shape[1], 4):
         return None
-    shape = (1,) * (4 - meta.dim()) + tuple(meta.shape)
-    if shape[1] != heads or any(s != 1 for i, s in enumerate(shape) if i != 1):
-        return None  # sinks that vary by batch or query: not one value per head
     return parts[0], sinks
+
+
+def _one_per_head(sinks, heads, rank: int) -> bool:
+    """Whether `sinks`, right-aligned against a tensor of `rank` dims whose dim 1 holds the `heads`
+    query heads, is one value per head: size `heads` along dim 1 and 1 along every other (not
+    varying by batch or query: the kernel reads one float per head)."""
+    meta = tensor_meta(sinks)
+    if meta is None or not isinstance(heads, int) or meta.dim() > rank or meta.numel() != heads:
+        return False
+    shape = (1,) * (rank - meta.dim()) + tuple(meta.shape)
+    return shape[1] == heads and all(s == 1 for i, s in enumerate(shape) if i != 1)
 
 
 def is_row_logsumexp(node, of: fx.Node) -> bool:
@@ -125,13 +131,8 @@ def lse_sink_scale(lse: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node] | N
     if sub is None or kind(sub) != "sub" or sub.args[0] is not lse:
         return None
     sinks, lse_meta = sub.args[1], tensor_meta(lse)
-    meta = tensor_meta(sinks)
-    if lse_meta is None or lse_meta.dim() != 3 or meta is None or meta.dim() > 3:
+    if lse_meta is None or lse_meta.dim() != 3 or not _one_per_head(sinks, lse_meta.shape[1], 3):
         return None
-    heads = lse_meta.shape[1]
-    shape = (1,) * (3 - meta.dim()) + tuple(meta.shape)
-    if not isinstance(heads, int) or shape != (1, heads, 1):
-        return None  # sinks that vary by batch or query: not one value per head
     cur, sigmoids = sub, 0
     while (user := single_user(cur)) is not None and user.op != "output":
         k = kind(user)
