@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import eager_then_optimized, rel_err
+from tests.helpers import eager_then_optimized, optimize_and_run, rel_err
 
 
 class Norm(torch.nn.Module):
@@ -73,3 +73,50 @@ def test_look_alikes_left_alone(style):
     ref, out, rewrites, _ = eager_then_optimized(model, x)
     assert rewrites["RMSNorm"] == 0 and rewrites["ResidualRMSNorm"] == 0
     assert rel_err(out, ref) < 1e-6
+
+
+class NormThenCopy(torch.nn.Module):
+    """HrmText's norm (no weight) whose output is copied to another device right after."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x).to(self.device)
+
+
+def test_copy_to_another_device_is_not_folded_into_the_norm():
+    # The kernel returns its input's device: a `.to(device)` that moves the result must stay in the
+    # graph (and a probe of the norm must not follow it there). "meta" stands for a second device.
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 40)
+    out, rewrites, _ = optimize_and_run(NormThenCopy("meta"), x)
+    assert out.device.type == "meta"
+    assert rewrites["RMSNorm"] == 1
+
+
+def test_probe_of_a_cast_that_names_the_graph_device_stays_on_the_host():
+    # On a GPU, HrmText's graph ends its norm with `.to(device("cuda:0"))`, a no-op there; the
+    # pass replays the region on host probes, which must not be sent to the GPU by it.
+    import torch.fx as fx
+
+    from transfuse.passes.graph import evaluate, kind
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.empty(2, 8, device="meta")
+    up = graph.call_method("float", (x,))
+    up.meta["example_value"] = torch.empty(2, 8, device="meta")
+    moved = graph.call_method("to", (up, "meta"))
+    moved.meta["example_value"] = torch.empty(2, 8, device="meta")
+    graph.output(moved)
+    assert kind(moved) == "to"
+    probe = torch.randn(2, 8)
+    got = evaluate([up, moved], moved, {x: probe})
+    assert got.device.type == "cpu" and torch.equal(got, probe)
+    # Recorded on another device than its input: a copy, not a cast.
+    moved.meta["example_value"] = torch.empty(2, 8)
+    up.meta["example_value"] = torch.empty(2, 8, device="meta")
+    assert kind(moved) == "to_device"

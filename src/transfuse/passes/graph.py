@@ -122,10 +122,20 @@ POINTWISE = {
 
 def kind(node: fx.Node) -> str | None:
     if node.op == "call_function":
-        return _FUNCTIONS.get(node.target)
-    if node.op == "call_method":
-        return _METHODS.get(method_name(node))
-    return None
+        found = _FUNCTIONS.get(node.target)
+    elif node.op == "call_method":
+        found = _METHODS.get(method_name(node))
+    else:
+        return None
+    # A `.to` that lands on another device is a copy, not a cast: no pass may fold it into a kernel
+    # (whose output stays on its input's device), so it is not "to" and not element-wise.
+    return "to_device" if found == "to" and _changes_device(node) else found
+
+
+def _changes_device(node: fx.Node) -> bool:
+    source = tensor_meta(node.args[0]) if node.args else None
+    out = tensor_meta(node)
+    return source is not None and out is not None and source.device != out.device
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -239,7 +249,7 @@ def scalar(node: Any) -> float | None:
                 return scalar(node.args[1])
         if node.target is torch.tensor and node.args and isinstance(node.args[0], (int, float)):
             return float(node.args[0])
-        if kind(node) in ("to",) and node.args:
+        if kind(node) in ("to", "to_device") and node.args:  # a constant's value survives a copy
             return scalar(node.args[0])
     return None
 
@@ -423,7 +433,12 @@ def evaluate(nodes: list, out: fx.Node, env: dict):
         if node in env:
             continue
         args, kwargs = load(node.args), load(node.kwargs)
-        if node.op == "call_method":
+        recorded = tensor_meta(node)
+        if kind(node) == "to" and recorded is not None and isinstance(args[0], torch.Tensor):
+            # Only the cast's dtype: one that also names the graph's device (`.to("cuda:0")`, a
+            # no-op there) must not send the host's probes to it.
+            env[node] = args[0].to(recorded.dtype)
+        elif node.op == "call_method":
             env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
             env[node] = node.target(*args, **kwargs)
