@@ -92,6 +92,7 @@ _BACKWARD_FAMILIES = {
     "RMSNorm": "RMSNorm", "ResidualRMSNorm": "RMSNorm",
     "RotaryEmbedding": "rotary", "RotaryPair": "rotary",
     "LinearEpilogue": "GEMM epilogues (activation and its gradient)", "SwiGLU": "GEMM epilogues (activation and its gradient)",
+    "GeGLU": "GEMM epilogues (activation and its gradient)", "ReGLU": "GEMM epilogues (activation and its gradient)",
     "CrossEntropy": "cross-entropy", "LinearCrossEntropy": "LM head + cross-entropy (chunked)",
     "BiasGradInNormBackward": "output projections' bias gradients (in the norm backward)",
     "ColumnSum": "other bias gradients (column sums)",

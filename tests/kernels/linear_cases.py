@@ -5,6 +5,7 @@ to PyTorch's own error in the same dtype (flash-attention's rule)."""
 
 import torch
 
+from transfuse.kernels.gemm import is_gated
 from transfuse.reference.gemm import linear_ref
 
 # Llama-1.1B's decode linears, the GPU tests' shapes: name -> (N, K, activation, has_residual);
@@ -29,7 +30,7 @@ def randn(shape, dtype, scale=1.0):
 def problem(lead, K, N, activation, dtype, has_bias=True, has_residual=True, strided_residual=False):
     """CPU args with weights scaled by 1/sqrt(K); `strided_residual`: the residual is a
     non-contiguous view (N first in memory), which the kernel must read in place."""
-    rows = 2 * N if activation == "silu_mul" else N
+    rows = 2 * N if is_gated(activation) else N
     x = randn((*lead, K), dtype)
     weight = randn((rows, K), dtype, K**-0.5)
     bias = randn((rows,), dtype) if has_bias else None
@@ -44,7 +45,7 @@ def problem(lead, K, N, activation, dtype, has_bias=True, has_residual=True, str
 
 def gpu_problem(M, K, N, activation, dtype, has_bias, has_residual):
     """CUDA args of M rows from a generator seeded by the shape (the same inputs on every run)."""
-    rows = 2 * N if activation == "silu_mul" else N
+    rows = 2 * N if is_gated(activation) else N
     g = torch.Generator(device="cuda").manual_seed(M * 7 + N)
     x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(rows, K, device="cuda", generator=g) * K**-0.5).to(dtype)

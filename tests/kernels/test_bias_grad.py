@@ -9,6 +9,7 @@ import torch
 from transfuse.kernels import bias_grad as bias_grad_kernels
 from transfuse.kernels.activation_backward import activation_bias_bwd, activation_bwd
 from transfuse.kernels.bias_grad import bias_grad
+from transfuse.kernels.gemm import is_gated
 from transfuse.reference.bias_grad import bias_grad_ref
 
 # dtype, atol added to twice torch's own max error, as a fraction of the largest |column sum|
@@ -95,7 +96,7 @@ def test_rejects_bad_dtypes():
 def test_activation_kernel_sums_what_it_writes(activation):
     """activation_bias_bwd's dbias is bias_grad of its own grad_pre (the rounded values) and its
     grad_pre is activation_bwd's, bit for bit."""
-    width = 42 if activation == "silu_mul" else 21
+    width = 42 if is_gated(activation) else 21
     pre = _randn((3, 13, width), torch.bfloat16)
     grad_out = _randn((3, 13, 21), torch.bfloat16)
     grad_pre, dbias = activation_bias_bwd(grad_out, pre, activation)
@@ -123,7 +124,7 @@ def test_bias_grad_gpu(n):
 @pytest.mark.parametrize("activation", ["gelu_tanh", "silu_mul"])
 def test_activation_bias_bwd_gpu(activation):
     n = 3072
-    pre = _randn((8, 1024, 2 * n if activation == "silu_mul" else n), torch.bfloat16, "cuda")
+    pre = _randn((8, 1024, 2 * n if is_gated(activation) else n), torch.bfloat16, "cuda")
     grad_out = _randn((8, 1024, n), torch.bfloat16, "cuda")
     grad_pre, dbias = activation_bias_bwd(grad_out, pre, activation)
     # the same math compiled in two kernels: equal up to the compiler's choice of FMAs

@@ -12,6 +12,7 @@ import torch
 from tests.kernels.linear_cases import (GPU_DTYPES, LLAMA_1B_DECODE, assert_within_torch_error_gpu, capture,
                                         gpu_problem)
 from transfuse.kernels import split_counters
+from transfuse.kernels.gemm import is_gated
 from transfuse.kernels.gemm_few_rows import FewRowsConfig, few_rows_fwd, split_candidates
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +35,7 @@ def test_llama_1b_shapes(case, M, dtype):
     FewRowsConfig(128, 64, 1, 5, 4),   # a full warpgroup tile of weight rows
     FewRowsConfig(64, 256, 1, 3, 8),
 ])
-@pytest.mark.parametrize("activation", ["silu_mul", "gelu"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu", "gelu_tanh_mul"])
 def test_explicit_configs(config, activation):
     # N=1000: the last column block is partial; K=5632 with a bias and a residual
     args = gpu_problem(5, 5632, 1000, activation, torch.float16, True, True)
@@ -73,7 +74,7 @@ def test_every_split_the_dispatcher_may_time(case, M):
     args = gpu_problem(M, K, N, act, torch.float16, True, has_res)
     device = args[0].device
     tickets = split_counters.counters(device, 1)
-    for split in sorted(set(split_candidates(N, K, device, act == "silu_mul")) | {2, 4}):
+    for split in sorted(set(split_candidates(N, K, device, is_gated(act))) | {2, 4}):
         out = few_rows_fwd(*args[:3], act, args[3], split_k=split)
         assert_within_torch_error_gpu(out, args, act)
         again = few_rows_fwd(*args[:3], act, args[3], split_k=split)

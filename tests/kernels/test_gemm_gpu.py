@@ -83,7 +83,7 @@ def test_op_dispatched(case, M):
 
 
 @pytest.mark.parametrize("activation,dtype", [(a, torch.float16) for a in ACTIVATIONS]
-                         + [(a, torch.bfloat16) for a in ("gelu", "silu_mul")])
+                         + [(a, torch.bfloat16) for a in ("gelu", "silu_mul", "gelu_tanh_mul")])
 def test_every_activation_fixed_tile(activation, dtype):
     # One fixed tile (no autotuning: one compile per epilogue), odd M and N, K a multiple of 8
     args = gpu_problem(300, 520, 1000, activation, dtype, True, True)
@@ -92,7 +92,7 @@ def test_every_activation_fixed_tile(activation, dtype):
 
 
 @pytest.mark.parametrize("split_k", [2, 8])
-@pytest.mark.parametrize("activation", ["gelu", "silu_mul"])
+@pytest.mark.parametrize("activation", ["gelu", "silu_mul", "gelu_tanh_mul"])
 def test_split_k(activation, split_k):
     args = gpu_problem(16, 3072, 768, activation, torch.float16, True, True)
     out = linear_fwd(*args[:3], activation, args[3], split_k=split_k, tile=(16, 64, 128, 4, 4))

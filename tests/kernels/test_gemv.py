@@ -4,6 +4,7 @@ N in {5, 40, 66} and K in {24, 100} cross every block edge (K=24: only a masked 
 three whole steps and a tail of 4)."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.kernels.linear_cases import assert_within_torch_error, randn
 from transfuse.kernels import gemv as kernels
 from transfuse.kernels.gemm import ACTIVATIONS
 from transfuse.kernels.gemv import GEMV_M_MAX, GemvConfig, gemv_applies, gemv_bucket, gemv_fwd
+from transfuse.reference.gemm import linear_ref
 
 # dtype, atol added to twice torch's own error against the fp32 reference. bf16: the interpreter
 # rounds fp32 -> bf16 toward zero (a GPU rounds to nearest), so our error can reach one bf16 ulp
@@ -27,6 +29,11 @@ problem = functools.partial(linear_cases.problem, strided_residual=True)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gemv_every_epilogue(activation, dtype, atol, has_bias, has_residual):
     args = problem((3,), 100, 40, activation, dtype, has_bias, has_residual)
+    if dtype == torch.bfloat16:
+        # The interpreter's truncation costs up to one ulp of the largest output, which a gated
+        # unit with biases pushes past 8 (ulp 1/16): more than twice torch's error plus 1e-2.
+        largest = linear_ref(*args[:3], activation, args[3], upcast=True).abs().max().item()
+        atol = max(atol, 2.0 ** (math.floor(math.log2(largest)) - 7))
     assert_within_torch_error(gemv_fwd(*args[:3], activation, args[3]), args, activation, atol)
 
 

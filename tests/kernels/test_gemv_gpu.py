@@ -36,7 +36,7 @@ def test_every_config_of_the_sweep(M):
         assert_within_torch_error_gpu(gemv_fwd(*args[:3], act, args[3], config=conf), args, act)
 
 
-@pytest.mark.parametrize("activation", ["silu_mul", "gelu"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu", "gelu_tanh_mul"])
 def test_split_k(activation):
     # N=768 at 3 rows: 192 column blocks of 4, fewer than two per SM, so the heuristic splits K in two
     # (not for silu_mul, whose half-width blocks are 384); then an explicit 3-way split

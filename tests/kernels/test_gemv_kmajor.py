@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.linear_cases import assert_within_torch_error, randn
 from transfuse.kernels import gemv, gemv_kmajor, norm
-from transfuse.kernels.gemm import ACTIVATIONS
+from transfuse.kernels.gemm import ACTIVATIONS, is_gated
 
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)]
 
@@ -20,7 +20,7 @@ def _kmajor(rows, K, dtype, scale=None):
 
 
 def _problem(M, K, N, activation, dtype, has_bias=True, has_residual=True):
-    rows = 2 * N if activation == "silu_mul" else N
+    rows = 2 * N if is_gated(activation) else N
     x = randn((M, K), dtype)
     weight = _kmajor(rows, K, dtype)
     bias = randn((rows,), dtype) if has_bias else None
@@ -87,7 +87,7 @@ def _norm_case(M, K, N, dtype, layer, residual, weight, activation, kmajor, seed
     r = torch.randn(M, K, generator=g).to(dtype) if residual else None
     w = (torch.rand(K, generator=g) + 0.5).to(dtype) if weight else None
     b = torch.randn(K, generator=g).to(dtype) if (layer and weight) else None
-    rows = N * (2 if activation == "silu_mul" else 1)
+    rows = N * (2 if is_gated(activation) else 1)
     W = (torch.randn(K, rows, generator=g) / K ** 0.5).to(dtype)
     W = W.t() if kmajor else W.t().contiguous()
     return x, r, w, b, W

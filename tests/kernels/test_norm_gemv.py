@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transfuse.kernels import gemv, norm
+from transfuse.kernels.gemm import is_gated
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -17,7 +18,7 @@ def _case(M, K, N, dtype, residual, weight, activation="none", seed=0):
     x = torch.randn(M, K, generator=g).to(dtype)
     r = torch.randn(M, K, generator=g).to(dtype) if residual else None
     w = (torch.rand(K, generator=g) + 0.5).to(dtype) if weight else None
-    W = (torch.randn(N * (2 if activation == "silu_mul" else 1), K, generator=g) / K ** 0.5).to(dtype)
+    W = (torch.randn(N * (2 if is_gated(activation) else 1), K, generator=g) / K ** 0.5).to(dtype)
     return x, r, w, W
 
 

@@ -31,8 +31,8 @@ FAMILIES = {
                 {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE,  # bias on Q, K, V
               {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU: not fused
-              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "LinearEpilogue": 9, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=16),  # GeGLU (tanh GELU)
+              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SiblingLinears": 4, "GeGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "RMSNormLinear": 4}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE,  # fused qkv_proj and gate_up_proj, chunked
              {"EmptyCat": 4, "TorchSDPA": 2, "GroupedKV": 2, "RotaryTable": 1, "RotaryEmbedding": 4, "RotaryPair": 2, "SwiGLU": 2, "LinearEpilogue": 7, "RMSNorm": 1, "ResidualRMSNorm": 4, "EvalDropout": 4, "RMSNormLinear": 4}),
 }

@@ -22,13 +22,13 @@ FAMILIES = {
            dict(d_model=32, d_kv=16, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2, **COMMON),
            {**ATTENTION, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10,
             "RMSNormLinear": 11}),
-    # v1.1 / flan: gated-GELU FFN (its gate and up merged, the GELU gate not fused), untied head, a head
-    # dim that is not d_model / heads
+    # v1.1 / flan: gated-GELU FFN (gate and up merged, the GELU gate in their GEMM's epilogue: GeGLU), untied
+    # head, a head dim that is not d_model / heads
     "t5-v1.1": ("T5Config", "T5ForConditionalGeneration",
                 dict(d_model=32, d_kv=24, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=2,
                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, **COMMON),
-                {**ATTENTION, "SiblingLinears": 9, "InplaceArithmetic": 1, "EvalDropout": 18, "RMSNorm": 2,
-                 "ResidualRMSNorm": 10, "RMSNormLinear": 12}),
+                {**ATTENTION, "SiblingLinears": 9, "GeGLU": 4, "LinearEpilogue": 18, "InplaceArithmetic": 1,
+                 "EvalDropout": 18, "RMSNorm": 2, "ResidualRMSNorm": 10, "RMSNormLinear": 12}),
     # learned positions, post-norm, GELU
     "bart": ("BartConfig", "BartForConditionalGeneration",
              dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,

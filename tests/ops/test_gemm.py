@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import transfuse.ops.gemm as gemm_ops
-from transfuse.kernels.gemm import ACTIVATIONS
+from transfuse.kernels.gemm import ACTIVATIONS, is_gated
 from transfuse.ops.gemm import GemmKey, gemm_backend, gemm_choices, linear_torch, set_gemm_backend
 from transfuse.reference.gemm import linear_ref
 
@@ -96,7 +96,7 @@ def test_traces_through_torch_compile():
 @pytest.mark.parametrize("has_bias,has_residual", [(False, False), (True, True)])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_linear_torch(activation, has_bias, has_residual, cublaslt_epilogue):
-    rows = 48 if activation == "silu_mul" else 24
+    rows = 48 if is_gated(activation) else 24
     x = torch.randn(3, 7, 40)
     w = torch.randn(rows, 40) / 6
     b = torch.randn(rows) if has_bias else None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from transfuse.kernels.activation_backward import activation_bwd, activation_fwd
-from transfuse.kernels.gemm import ACTIVATIONS
+from transfuse.kernels.gemm import ACTIVATIONS, is_gated
 from transfuse.reference.activation_backward import activation_bwd_ref, activation_ref
 from transfuse.reference.gemm import linear_ref
 
@@ -49,7 +49,7 @@ def test_schema(name):
 def _pre(lead, n, activation, dtype):
     """Pre-activations over the activations' interesting range, with saturated values (|x| ~ 20,
     where exp overflows in the sigmoid forms) in the first row."""
-    width = 2 * n if activation == "silu_mul" else n
+    width = 2 * n if is_gated(activation) else n
     pre = _randn((*lead, width), dtype, scale=3.0)
     pre.view(-1, width)[0, : min(4, width)] = torch.tensor([-20.0, 20.0, -90.0, 90.0])[: min(4, width)].to(dtype)
     return pre
@@ -133,7 +133,7 @@ def test_activation_kernels_reject_bad_shapes():
 
 
 def _problem(lead, k, n, activation, dtype, has_bias, has_residual):
-    rows = 2 * n if activation == "silu_mul" else n
+    rows = 2 * n if is_gated(activation) else n
     x = _randn((*lead, k), dtype)
     weight = _randn((rows, k), dtype, k**-0.5)
     bias = _randn((rows,), dtype) if has_bias else None

@@ -27,10 +27,12 @@ BENCHMARKS: dict[str, str] = {
     # decoder generate(): the geometry is the name (random weights), tiny for CPU smoke runs
     "llama-1.1b": "transfuse.bench.decoder",
     "llama-7b": "transfuse.bench.decoder",
+    "gemma-2b": "transfuse.bench.decoder",
     "gpt2": "transfuse.bench.decoder",
     "decoder-tiny": "transfuse.bench.decoder",
-    # encoder-decoder generate(): T5, BART geometries (random weights), tiny for CPU smoke runs
+    # encoder-decoder generate(): T5, Flan-T5, BART geometries (random weights), tiny for CPU smoke runs
     "t5-base": "transfuse.bench.seq2seq",
+    "flan-t5-base": "transfuse.bench.seq2seq",
     "bart-base": "transfuse.bench.seq2seq",
     "seq2seq-tiny": "transfuse.bench.seq2seq",
 }

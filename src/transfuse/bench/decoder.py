@@ -36,6 +36,10 @@ GEOMETRIES: dict[str, tuple[str, dict]] = {
     "llama-7b": ("LlamaConfig", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
                                      max_position_embeddings=4096)),
+    # Gemma-2B's shape: multi-query attention with 256-wide heads, a GeGLU MLP 8x wide, 256k vocabulary
+    "gemma-2b": ("GemmaConfig", dict(hidden_size=2048, num_hidden_layers=18, num_attention_heads=8,
+                                     num_key_value_heads=1, head_dim=256, intermediate_size=16384,
+                                     vocab_size=256000, max_position_embeddings=8192)),
     "gpt2": ("GPT2Config", dict()),  # 124M, 1024 positions
     "tiny": ("LlamaConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=96, vocab_size=97, max_position_embeddings=128)),
@@ -65,7 +69,8 @@ def make_model(geometry: str, seed: int = 0) -> torch.nn.Module:
     config_cls, kwargs = GEOMETRIES[geometry]
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
-    model_cls = transformers.GPT2LMHeadModel if config_cls == "GPT2Config" else transformers.LlamaForCausalLM
+    model_cls = {"GPT2Config": transformers.GPT2LMHeadModel, "GemmaConfig": transformers.GemmaForCausalLM}.get(
+        config_cls, transformers.LlamaForCausalLM)
     return model_cls(config).eval()
 
 

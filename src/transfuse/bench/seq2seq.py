@@ -33,6 +33,10 @@ DEFAULT_PROVIDERS = "eager,static,transfuse"
 GEOMETRIES: dict[str, tuple[str, dict]] = {
     "t5-base": ("T5Config", dict(d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_decoder_layers=12,
                                  num_heads=12, vocab_size=32128)),
+    # Flan-T5-base / T5 v1.1: a gated-GELU FFN (GeGLU, 2048 wide), untied LM head
+    "flan-t5-base": ("T5Config", dict(d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12,
+                                      num_heads=12, vocab_size=32128, feed_forward_proj="gated-gelu",
+                                      tie_word_embeddings=False)),
     "bart-base": ("BartConfig", dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
                                      decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
                                      vocab_size=50265, max_position_embeddings=1024)),

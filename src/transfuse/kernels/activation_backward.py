@@ -2,13 +2,13 @@
 pre-activation for its backward: the backward's activation gradient, and the forward's epilogue
 applied to the stored pre-activation.
 
-    pre:      (M, N), or (M, 2N) = [gate | up] for "silu_mul"; unit stride along columns
+    pre:      (M, N), or (M, 2N) = [gate | up] for a gated "<act>_mul"; unit stride along columns
     grad_out: (M, N)  any strides (autograd may hand an expanded gradient)
     residual: (M, N)  any strides
-    forward:  out      = act(pre) + residual                  silu_mul: silu(gate) * up + residual
-    backward: grad_pre = grad_out * act'(pre)                  silu_mul: [grad_out * up * silu'(gate) |
-                                                                          grad_out * silu(gate)]
-    dbias:    (N,), or (2N,) for "silu_mul": the column sums of grad_pre (activation_bias_bwd only)
+    forward:  out      = act(pre) + residual                  <act>_mul: act(gate) * up + residual
+    backward: grad_pre = grad_out * act'(pre)                  <act>_mul: [grad_out * up * act'(gate) |
+                                                                          grad_out * act(gate)]
+    dbias:    (N,), or (2N,) when gated: the column sums of grad_pre (activation_bias_bwd only)
 
 out and grad_pre are contiguous, in pre's dtype. The linear's bias gradient is the column sum of
 grad_pre: activation_bias_bwd adds it up while the tiles are in registers (each program then walks a
@@ -51,7 +51,7 @@ import triton.language as tl
 
 from transfuse.kernels import bias_grad
 from transfuse.kernels._config import INTERPRET, interpreter_large, next_power_of_2
-from transfuse.kernels.gemm import ACTIVATIONS, _activate
+from transfuse.kernels.gemm import ACTIVATIONS, _activate, is_gated
 from transfuse.kernels.norm import _round_to
 
 
@@ -122,22 +122,23 @@ def _sigmoid(z):
 
 @triton.jit
 def _activation_grad(g, x, ACTIVATION: tl.constexpr):
-    """g * act'(x) on fp32 tiles (see the module docstring for each derivative)."""
-    if ACTIVATION == "gelu":
+    """g * act'(x) on fp32 tiles (see the module docstring for each derivative); for a gated
+    "<act>_mul", act' of the gate."""
+    if ACTIVATION == "gelu" or ACTIVATION == "gelu_mul":
         cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
         pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327  # 1 / sqrt(2 pi)
         g = g * (cdf + x * pdf)
-    elif ACTIVATION == "gelu_tanh":
+    elif ACTIVATION == "gelu_tanh" or ACTIVATION == "gelu_tanh_mul":
         t = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # s(2u), 2 sqrt(2/pi) = 1.5957...
         du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)  # u', 3 * 0.044715 = 0.134145
         g = g * (t + 2.0 * x * t * (1.0 - t) * du)
-    elif ACTIVATION == "relu":
+    elif ACTIVATION == "relu" or ACTIVATION == "relu_mul":
         # where, not g * 0: an inf or NaN gradient behind a dead unit stays 0, as in torch
         g = tl.where(x > 0.0, g, 0.0)
     elif ACTIVATION == "tanh":
         t = _sigmoid(2.0 * x)
         g = g * (4.0 * t * (1.0 - t))
-    elif ACTIVATION == "silu":
+    elif ACTIVATION == "silu" or ACTIVATION == "silu_mul":
         s = _sigmoid(x)
         g = g * (s * (1.0 + x * (1.0 - s)))
     return g
@@ -155,6 +156,8 @@ def _activation_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -162,7 +165,7 @@ def _activation_fwd_kernel(
     pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
     # Widened right after the load: the interpreter computes bf16 arithmetic wrongly.
     h = _activate(tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
-    if ACTIVATION == "silu_mul":
+    if GATED:
         h = h * tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)  # up: N columns on
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + rows[:, None] * stride_res_m + offs_n[None, :] * stride_res_n
@@ -186,7 +189,9 @@ def _activation_bwd_kernel(
 ):
     """grad_pre over rows [chunk * rows_per_chunk, +rows_per_chunk) (one BLOCK_M tile without
     HAS_DBIAS); with HAS_DBIAS also the chunk's column sums of grad_pre, as stored, into one fp32
-    partial row (both halves for silu_mul: 2N wide), which bias_grad.reduce_partials finishes."""
+    partial row (both halves when gated: 2N wide), which bias_grad.reduce_partials finishes."""
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     pid_chunk = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -194,7 +199,7 @@ def _activation_bwd_kernel(
     row_end = tl.minimum(row_begin + rows_per_chunk, M)
     dtype = grad_pre_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # silu_mul's second half
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a gated unit's second half
     for start in range(row_begin, row_end, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         mask = (offs_m < row_end)[:, None] & mask_n[None, :]
@@ -204,16 +209,15 @@ def _activation_bwd_kernel(
         pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
         x = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
         grad_pre_ptrs = grad_pre_ptr + rows[:, None] * stride_grad_pre_m + offs_n[None, :]
-        if ACTIVATION == "silu_mul":
+        if GATED:
             up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            s = _sigmoid(x)
-            # d out / d up = silu(gate); d out / d gate = up * silu'(gate), in fp32 with one rounding
-            # each (eager rounds silu(gate), grad * up and grad * silu(gate) on the way)
-            grad_up = _round_to(g * x * s, dtype, BF16_RNE_BY_HAND)
+            # d out / d up = act(gate); d out / d gate = up * act'(gate), in fp32 with one rounding
+            # each (eager rounds act(gate), grad * up and grad * act(gate) on the way)
+            grad_up = _round_to(g * _activate(x, ACTIVATION), dtype, BF16_RNE_BY_HAND)
             tl.store(grad_pre_ptrs + N, grad_up, mask=mask)
             if HAS_DBIAS:
                 acc_up += tl.where(mask, grad_up.to(tl.float32), 0.0)
-            grad = g * up * (s * (1.0 + x * (1.0 - s)))
+            grad = _activation_grad(g * up, x, ACTIVATION)
         else:
             grad = _activation_grad(g, x, ACTIVATION)
         grad = _round_to(grad, dtype, BF16_RNE_BY_HAND)
@@ -225,7 +229,7 @@ def _activation_bwd_kernel(
         partial_ptrs = partial_ptr + pid_chunk.to(tl.int64) * stride_partial_chunk + offs_n
         part_dtype = partial_ptr.dtype.element_ty
         tl.store(partial_ptrs, _round_to(tl.sum(acc, axis=0), part_dtype, BF16_RNE_BY_HAND), mask=mask_n)
-        if ACTIVATION == "silu_mul":
+        if GATED:
             tl.store(partial_ptrs + N, _round_to(tl.sum(acc_up, axis=0), part_dtype, BF16_RNE_BY_HAND),
                      mask=mask_n)
 
@@ -240,9 +244,9 @@ def check_activation_args(pre: torch.Tensor, activation: str, other: torch.Tenso
     dtype and device); returns N, the output's last dim."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if pre.dim() < 1 or (activation == "silu_mul" and pre.shape[-1] % 2):
-        raise ValueError(f"pre must be (..., N), or (..., 2N) for silu_mul, got {tuple(pre.shape)}")
-    n = pre.shape[-1] // 2 if activation == "silu_mul" else pre.shape[-1]
+    if pre.dim() < 1 or (is_gated(activation) and pre.shape[-1] % 2):
+        raise ValueError(f"pre must be (..., N), or (..., 2N) for {activation}, got {tuple(pre.shape)}")
+    n = pre.shape[-1] // 2 if is_gated(activation) else pre.shape[-1]
     if pre.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"pre must be float16, bfloat16 or float32, got {pre.dtype}")
     if other is not None:
@@ -280,7 +284,7 @@ def _launch(kernel, pre: torch.Tensor, n: int, *args, chunking=None, config=None
 
 
 def activation_fwd(pre: torch.Tensor, activation: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """act(pre) + residual (silu(gate) * up + residual for "silu_mul"): (..., N), contiguous, in
+    """act(pre) + residual (act(gate) * up + residual when gated): (..., N), contiguous, in
     pre's dtype. pre: (..., N) or (..., 2N); residual: (..., N), any strides."""
     n = check_activation_args(pre, activation, residual, "residual")
     out = torch.empty((*pre.shape[:-1], n), dtype=pre.dtype, device=pre.device)
@@ -328,8 +332,8 @@ def _activation_bwd(grad_out, pre, activation, with_dbias, dbias_dtype=None):
 
 
 def activation_bwd(grad_out: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
-    """grad_out * act'(pre), the gradient reaching pre through activation_fwd (both halves for
-    "silu_mul"): pre's shape, contiguous, in pre's dtype. grad_out: (..., N), any strides."""
+    """grad_out * act'(pre), the gradient reaching pre through activation_fwd (both halves when
+    gated): pre's shape, contiguous, in pre's dtype. grad_out: (..., N), any strides."""
     return _activation_bwd(grad_out, pre, activation, False)[0]
 
 

@@ -8,9 +8,10 @@
     residual: (M, N)  any strides
     out:      (M, N)  contiguous, dtype of x
 
-`activation` is one of ACTIVATIONS. "silu_mul" is the SwiGLU gate of LLaMA-style MLPs (Shazeer 2020,
-"GLU Variants Improve Transformer"): weight is (2N, K) = [W_gate; W_up] stacked along rows, bias
-(2N,), and out = silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up). One program computes the gate
+`activation` is one of ACTIVATIONS. "<act>_mul" is a gated unit (Shazeer 2020, "GLU Variants Improve
+Transformer"): "silu_mul" the SwiGLU of LLaMA-style MLPs, "gelu_tanh_mul" / "gelu_mul" the GeGLU of
+Gemma and T5 v1.1, "relu_mul" ReGLU. weight is (2N, K) = [W_gate; W_up] stacked along rows, bias
+(2N,), and out = act(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up). One program computes the gate
 and up tiles of the same output columns, so the (M, 2N) intermediate never reaches memory.
 
 Numerics: products accumulate in fp32 (tl.dot), the whole epilogue (bias, activation, gate,
@@ -40,7 +41,15 @@ import triton.testing
 from transfuse.kernels._config import (INTERPRET, compiling_only, next_power_of_2, num_sms, pdl, tune_configs,
                                       wait_for_previous_kernel)
 
-ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu", "tanh", "silu", "silu_mul")
+# "<act>_mul" is a gated unit (GLU variants): act(gate) * up, weight [W_gate; W_up]. SwiGLU (LLaMA),
+# GeGLU with exact or tanh GELU (T5 v1.1 / Flan-T5, Gemma), ReGLU.
+GATED_ACTIVATIONS = ("silu_mul", "gelu_mul", "gelu_tanh_mul", "relu_mul")
+ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu", "tanh", "silu", *GATED_ACTIVATIONS)
+
+
+def is_gated(activation: str) -> bool:
+    """Whether `activation` is a gated unit: weight (2N, K) = [W_gate; W_up], output N wide."""
+    return activation in GATED_ACTIVATIONS
 
 # The interpreter's tl.dot is wrong for bf16 operands; there (only) the tiles are widened to fp32
 # before the dot. On a GPU they must stay 16-bit so the dot runs on the tensor cores.
@@ -166,7 +175,7 @@ def _prune_for_shape(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     bucket = args["M_BUCKET"]
     wanted = set(_TILES[_regime(bucket)])
-    gated = args["ACTIVATION"] == "silu_mul"
+    gated = is_gated(args["ACTIVATION"])
     elem = args["x_ptr"].element_size()
     kept = []
     for conf in configs:
@@ -201,17 +210,17 @@ def _prune_for_shape(configs, named_args, **kwargs):
 
 @triton.jit
 def _activate(h, ACTIVATION: tl.constexpr):
-    """The activation on an fp32 tile (for "silu_mul", the silu of the gate)."""
-    if ACTIVATION == "gelu":
+    """The activation on an fp32 tile (for a gated one, "<act>_mul", act of the gate)."""
+    if ACTIVATION == "gelu" or ACTIVATION == "gelu_mul":
         # exact GELU, x * Phi(x)
         h = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
+    elif ACTIVATION == "gelu_tanh" or ACTIVATION == "gelu_tanh_mul":
         # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); the sigmoid
         # form needs no tanh (not in core triton.language) and saturates cleanly: exp overflow to
         # inf gives 0, not nan.
         u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
         h = h / (1.0 + tl.exp(-2.0 * u))
-    elif ACTIVATION == "relu":
+    elif ACTIVATION == "relu" or ACTIVATION == "relu_mul":
         h = tl.maximum(h, 0.0)
     elif ACTIVATION == "tanh":
         # tanh(x) = 2 sigmoid(2x) - 1; fp32 absolute error ~1e-7, far below a 16-bit output's ulp
@@ -230,8 +239,9 @@ def _linear_epilogue(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     """bias, activation (and gate), residual on the fp32 accumulator; one rounding at the store.
-    `acc_up` is the up-projection tile for "silu_mul" and ignored otherwise."""
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    `acc_up` is the up-projection tile of a gated activation and ignored otherwise."""
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     mask_m = offs_m < M
     mask_n = offs_n < N
     if HAS_BIAS:
@@ -282,9 +292,11 @@ def _finish_tile(
     reduce kernel runs the epilogue), else the epilogue. A runtime branch, not a constexpr: split
     and unsplit launches share one compiled kernel. The decode kernels' tail (gemv, gemv_kmajor,
     gemm_few_rows); linear_fwd's own also splits big epilogues in halves."""
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     if SPLIT_K > 1:
         _store_partials(acc, acc_up, offs_m, offs_n, M, N, part_ptr, stride_part_split, stride_part_m, pid_k,
-                        ACTIVATION == "silu_mul")
+                        GATED)
     else:
         _linear_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, stride_bias,
                          res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
@@ -305,6 +317,8 @@ def _finish_tile_in_last_split(
     the one that arrives last sums every split's partials in split order (the result does not
     depend on which program came last), runs the epilogue and sets the ticket back to zero for the
     next launch. Unsplit, _finish_tile runs the epilogue."""
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     _finish_tile(acc, acc_up, offs_m, offs_n, M, N, SPLIT_K, pid_k, bias_ptr, stride_bias,
                  res_ptr, stride_res_m, stride_res_n, out_ptr, stride_out_m,
                  part_ptr, stride_part_split, stride_part_m, ACTIVATION, HAS_BIAS, HAS_RESIDUAL)
@@ -320,7 +334,7 @@ def _finish_tile_in_last_split(
             for s in range(0, SPLIT_K):
                 # .cg: from L2, where the other programs' partials are, never a stale L1 line
                 total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                if ACTIVATION == "silu_mul":
+                if GATED:
                     total_up += tl.load(part_ptrs + N, mask=mask, other=0.0, cache_modifier=".cg")
                 part_ptrs += stride_part_split
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
@@ -352,7 +366,8 @@ def _linear_fwd_kernel(
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     wait_for_previous_kernel(PDL)
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
 
@@ -456,7 +471,8 @@ def _linear_splitk_reduce_kernel(
 ):
     """Sums the SPLIT_K fp32 partial tiles in split order (deterministic) and applies the epilogue."""
     wait_for_previous_kernel(PDL)
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -477,10 +493,10 @@ def _split_epilogue(args) -> bool:
     """At 128 accumulator values a thread the epilogue goes half a tile at a time (ptxas -v for
     sm_90a, triton 3.8: 128x256 with gelu and a residual spills 400 B a thread in one piece,
     nothing in halves; `bench_gemm.py --ptxas` shows it for every config). Not for
-    silu_mul, whose two accumulators spill either way (~100 B at 128x128, 8 warps) and slightly
+    gated units, whose two accumulators spill either way (~100 B at 128x128, 8 warps) and slightly
     more when split; its spills sit after the main loop, paid once per tile."""
     acc_values = args["BLOCK_M"] * args["BLOCK_N"]
-    return (args["ACTIVATION"] != "silu_mul" and args["BLOCK_N"] >= 32
+    return (not is_gated(args["ACTIVATION"]) and args["BLOCK_N"] >= 32
             and acc_values >= 128 * 32 * args.get("num_warps", 4))
 
 
@@ -582,9 +598,9 @@ def check_linear_args(
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight must be (N, {K}), got {tuple(weight.shape)}")
-    if activation == "silu_mul" and weight.shape[0] % 2:
-        raise ValueError("silu_mul needs weight (2N, K) = [gate; up], got an odd row count")
-    N = weight.shape[0] // 2 if activation == "silu_mul" else weight.shape[0]
+    if is_gated(activation) and weight.shape[0] % 2:
+        raise ValueError(f"{activation} needs weight (2N, K) = [gate; up], got an odd row count")
+    N = weight.shape[0] // 2 if is_gated(activation) else weight.shape[0]
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name} must be {x.dtype} on {x.device}, got {t.dtype} on {t.device}")
@@ -601,7 +617,7 @@ class EpilogueOperands:
 
     out: (M, N) contiguous; bias: (N,) or (2N,) or None; res2: (M, N) residual (any strides) or None.
     `args` are the bias / residual / out pointers and strides in the kernels' order, `part_args` the
-    fp32 workspace of partial sums (split_k, M, N), or (split_k, M, 2N) for "silu_mul" (gate then
+    fp32 workspace of partial sums (split_k, M, N), or (split_k, M, 2N) for a gated one (gate then
     up), and its strides; `flags` the epilogue's constexprs. `reduce()` sums the partials and runs
     the epilogue when split_k > 1 (a main kernel does it itself otherwise).
     """
@@ -612,7 +628,7 @@ class EpilogueOperands:
         M, N = out.shape
         # Unsplit launches get a 1-element fp32 stand-in (never written), so that the pointer's type,
         # and with it the compiled kernel, is the same either way.
-        width = 2 * N if activation == "silu_mul" else N
+        width = 2 * N if is_gated(activation) else N
         part = torch.empty((split_k, M, width) if split_k > 1 else (1, 1, 1), device=out.device, dtype=torch.float32)
         self.part_args = (part, part.stride(0), part.stride(1))
         # Absent tensors are replaced by `out` (never read: HAS_BIAS / HAS_RESIDUAL are false).
@@ -667,7 +683,7 @@ def linear_fwd(
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) + residual in one Triton GEMM (two kernels when split along K).
 
-    x: (..., K); weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or (2N,); residual: (..., N).
+    x: (..., K); weight: (N, K), or (2N, K) for a gated activation; bias: (N,) or (2N,); residual: (..., N).
     Returns (..., N), contiguous, dtype of x. `split_k=None` picks the split from the shape.
     `tile=(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)` skips autotuning and runs that config
     (tests, benchmarks); by default the config is autotuned per (M bucket, N, K, flags), except
@@ -676,7 +692,7 @@ def linear_fwd(
     N = check_linear_args(x, weight, bias, activation, residual)
     K = x.shape[-1]
     lead = x.shape[:-1]
-    gated = activation == "silu_mul"
+    gated = is_gated(activation)
 
     # reshape is a view whenever the leading dims collapse (slices of a fused QKV output, (B, S, H*D)
     # views of attention outputs); only a non-unit stride along K forces a copy.

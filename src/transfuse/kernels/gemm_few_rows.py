@@ -9,7 +9,7 @@ linears of a batch and short prompts' prefill, on tensor cores.
     residual: (M, N)  any strides
     out:      (M, N)  contiguous, dtype of x
 
-Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up]) and numerics are those of
+Semantics, activations (the gated "<act>_mul": weight (2N, K) = [W_gate; W_up]) and numerics are those of
 `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding at the store; its
 epilogue and split-K partials layout are reused as they are. A split launch has no reduce kernel: the
 last program of a column block to finish sums the partials (gemm._finish_tile_in_last_split, with
@@ -45,7 +45,7 @@ import triton.language as tl
 from transfuse.kernels import split_counters
 from transfuse.kernels._config import INTERPRET, num_sms, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile_in_last_split,
-                                    check_linear_args)
+                                    check_linear_args, is_gated)
 
 NO_SPLIT_ENV = "TRANSFUSE_FEW_ROWS_NO_SPLIT"  # =1: never time a split (A/B runs)
 FEW_ROWS_MAX = 32  # the x side of the dot: rows are padded (wrapped) to 16, or to 32 from 17
@@ -83,7 +83,7 @@ _INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
 
 
 def default_config(gated: bool = False) -> FewRowsConfig:
-    """The config of a linear, `gated` for "silu_mul" (the interpreter's under TRITON_INTERPRET).
+    """The config of a linear, `gated` for a gated activation (the interpreter's under TRITON_INTERPRET).
     One for every shape: the sweep's best was within 2% of it on every Llama shape, and the rows do
     not change it (the x side of the dot is 16 or 32 wide)."""
     if INTERPRET:
@@ -123,7 +123,8 @@ def _few_rows_fwd_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -187,7 +188,7 @@ def few_rows_fwd(
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) + residual for x of at most 32 rows, fp16 or bf16.
 
-    x: (..., K) with prod(...) <= 32; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
+    x: (..., K) with prod(...) <= 32; weight: (N, K), or (2N, K) for a gated activation; bias: (N,) or
     (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
     `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps)` overrides the heuristic, `split_k`
     its split (the dispatcher times split_candidates()). A split is at most one per K step, and none
@@ -208,7 +209,7 @@ def few_rows_fwd(
     if N == 0:
         return out.view(*lead, N)
     res2 = residual.reshape(-1, N) if residual is not None else None
-    gated = activation == "silu_mul"
+    gated = is_gated(activation)
     conf = FewRowsConfig(*config) if config is not None else default_config(gated)
     blocks = triton.cdiv(N, conf.block_n)
     split = max(1, min(conf.split_k if split_k is None else split_k, triton.cdiv(max(K, 1), conf.block_k)))

@@ -8,7 +8,7 @@
     residual: (M, N)  any strides
     out:      (M, N)  contiguous, dtype of x
 
-Semantics, activations ("silu_mul": weight (2N, K) = [W_gate; W_up], out = silu(gate) * up) and
+Semantics, activations (gated "<act>_mul": weight (2N, K) = [W_gate; W_up], out = act(gate) * up) and
 numerics are those of `gemm.linear_fwd`: fp32 products and sums, the epilogue on fp32, one rounding
 at the store. The epilogue, the split-K partials' store and reduce kernel, and the launch of
 those (EpilogueOperands) are gemm.py's own.
@@ -56,7 +56,7 @@ import triton.language as tl
 
 from transfuse.kernels import gemv_kmajor
 from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
-from transfuse.kernels.gemm import EpilogueOperands, _finish_tile, check_linear_args
+from transfuse.kernels.gemm import EpilogueOperands, _finish_tile, check_linear_args, is_gated
 from transfuse.kernels.norm import _round_to
 from transfuse.kernels.norm_prologue import NormPrologue, launch_args
 
@@ -93,7 +93,7 @@ _CONFIGS = {
     8: [GemvConfig(8, 512, 1, 2), GemvConfig(8, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
     16: [GemvConfig(4, 1024, 1, 4), GemvConfig(4, 512, 1, 2)],
 }
-# "silu_mul": a program streams 2 * BLOCK_N weight rows into two accumulators, so its column blocks
+# Gated activations: a program streams 2 * BLOCK_N weight rows into two accumulators, so its column blocks
 # are narrower from 4 rows up (at most 16 / BLOCK_M columns). Wider ones spill (8 rows x 8 columns,
 # gated: ~900 B a thread, ptxas sm_90) and ran 35x slower than the plain linear on an H100. At 2
 # rows 4 warps beat 2 by ~15% here, the opposite of the plain linear (measured, not explained).
@@ -115,7 +115,7 @@ def gemv_bucket(m: int) -> int:
 
 
 def gemv_configs(m: int, gated: bool = False) -> list[GemvConfig]:
-    """The configs for m rows, `gated` for "silu_mul", default first (the interpreter's one config
+    """The configs for m rows, `gated` for a gated activation, default first (the interpreter's one config
     under TRITON_INTERPRET)."""
     return tune_configs((_GATED_CONFIGS if gated else _CONFIGS)[gemv_bucket(m)], _INTERPRET_CONFIG)
 
@@ -136,7 +136,7 @@ LONG_K_BLOCK_N = 4
 
 def default_config(m: int, n: int, k: int, num_sms: int, gated: bool = False, norm: bool = False) -> GemvConfig:
     """The heuristic's config for an (m rows, n columns, k) linear on a GPU of num_sms SMs, `gated`
-    for "silu_mul", `norm` for a norm prologue (the interpreter's config under TRITON_INTERPRET)."""
+    for a gated activation, `norm` for a norm prologue (the interpreter's config under TRITON_INTERPRET)."""
     conf = gemv_configs(m, gated)[0]
     if INTERPRET:
         return conf
@@ -269,7 +269,8 @@ def _gemv_fwd_kernel(
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     LANES: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -452,7 +453,7 @@ def norm_gemv_fwd(
                                     prologue, summed, normed=normed2)
         return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
     norm_args, norm_flags = launch_args(prologue, x2, summed, normed2)
-    conf, block_k, vec, num_warps = norm_gemv_step(M, N, K, x, activation == "silu_mul")
+    conf, block_k, vec, num_warps = norm_gemv_step(M, N, K, x, is_gated(activation))
     if config is not None:
         conf, num_warps = conf._replace(block_n=config[0]), config[1]
     epilogue = EpilogueOperands(out, bias, None, activation, 1)
@@ -481,7 +482,7 @@ def gemv_fwd(
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) + residual for x of at most 16 rows, streaming the weight once.
 
-    x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for "silu_mul"; bias: (N,) or
+    x: (..., K) with prod(...) <= 16; weight: (N, K), or (2N, K) for a gated activation; bias: (N,) or
     (2N,); residual: (..., N). Returns (..., N), contiguous, dtype of x.
     A weight with unit stride along N (a transposed (K, N) matrix) runs gemv_kmajor's kernel.
     `config=(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` overrides the heuristic (tests, benchmarks).
@@ -510,7 +511,7 @@ def gemv_fwd(
                                     config=config)
         return out.view(*lead, N)
 
-    gated = activation == "silu_mul"
+    gated = is_gated(activation)
     conf = GemvConfig(*config) if config is not None else default_config(M, N, K, num_sms(x.device), gated)
     bucket = gemv_bucket(M)
     split_k = max(1, min(conf.split_k, triton.cdiv(max(K, 1), conf.block_k)))

@@ -5,7 +5,7 @@
     x:        (M, K)  M <= 16 rows, unit stride along K, any row stride
     weight:   (N, K)  a view with unit stride along N: the transpose of a contiguous (K, N) matrix,
               as GPT-2's Conv1D stores its weights (the Conv1D pass makes them F.linear(x, W.t()))
-    the rest as gemv.gemv_fwd (bias, residual, activations incl. "silu_mul", the split-K partials)
+    the rest as gemv.gemv_fwd (bias, residual, activations incl. the gated ones, the split-K partials)
 
 Why a second GEMV: gemv.py's kernel streams weight rows along K, 16 bytes a thread; on this layout
 those loads would be 2-byte gathers N elements apart. Here a program owns BLOCK_N adjacent output
@@ -190,7 +190,8 @@ def _gemv_kmajor_kernel(
     BF16_RNE_BY_HAND: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    GATED: tl.constexpr = ACTIVATION == "silu_mul"
+    GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
+                           or (ACTIVATION == "gelu_tanh_mul" or ACTIVATION == "relu_mul"))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
 

@@ -3,7 +3,7 @@
     linear(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual) -> Tensor
 
 x: (..., K), any leading dims and row strides; weight: (N, K) as F.linear takes it, or (2N, K) =
-[W_gate; W_up] for activation "silu_mul" (SwiGLU); bias: (N,) or (2N,); residual: (..., N), any
+[W_gate; W_up] for a gated activation "<act>_mul" (SwiGLU, GeGLU, ReGLU); bias: (N,) or (2N,); residual: (..., N), any
 strides. Returns (..., N), contiguous, dtype of x. Activations: transfuse.kernels.gemm.ACTIVATIONS.
 Forward only for now (no autograd formula is registered).
 
@@ -160,6 +160,14 @@ _INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh_,
     "silu": lambda h: F.silu(h, inplace=True),
 }
+# A gated unit's activation, on the gate's half (a strided view): out of place, so that the product
+# with the up half is a new contiguous tensor.
+_GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu_mul": F.silu,
+    "gelu_mul": F.gelu,
+    "gelu_tanh_mul": lambda h: F.gelu(h, approximate="tanh"),
+    "relu_mul": F.relu,
+}
 
 
 def cublaslt_epilogue_applies(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> bool:
@@ -187,8 +195,8 @@ def linear_torch(
         h = torch._addmm_activation(bias, x2, weight.t(), use_gelu=activation == "gelu_tanh")
     else:
         h = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
-        if activation == "silu_mul":
-            h = F.silu(h[:, :N]).mul_(h[:, N:])
+        if kernels.is_gated(activation):
+            h = _GATES[activation](h[:, :N]).mul_(h[:, N:])
         else:
             h = _INPLACE_ACTIVATIONS[activation](h)
     if residual is not None:
@@ -251,7 +259,7 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
     # Triton runs its regime's fixed tile here, not an autotuned one: autotuning compiles and times a
     # dozen configs per row bucket, seconds that a new input shape would wait for (issue: warm-up of
     # seconds). The fixed tile is compiled once per regime and epilogue.
-    tile = kernels.fixed_tile(M, activation == "silu_mul", x.element_size())
+    tile = kernels.fixed_tile(M, kernels.is_gated(activation), x.element_size())
     splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
     if key.m_bucket > TRITON_MAX_ROWS and not os.environ.get(MEASURE_ALL_ENV):
         splits = []  # cuBLAS only, see TRITON_MAX_ROWS
@@ -269,7 +277,7 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
     if decode == "few_rows":
         # splits along K finish in their last program (no reduce kernel): more programs on a weight
         # with fewer column blocks than SMs
-        for split in gemm_few_rows.split_candidates(key.n, key.k, x.device, activation == "silu_mul")[1:]:
+        for split in gemm_few_rows.split_candidates(key.n, key.k, x.device, kernels.is_gated(activation))[1:]:
             candidates[f"few_rows/split_k={split}"] = (
                 lambda split=split: gemm_few_rows.few_rows_fwd(x, weight, bias, activation, residual, split_k=split))
     return candidates, tile

@@ -12,7 +12,7 @@ the pre-activation for it.
 Shapes and activations are transfuse::linear's (transfuse.ops.gemm). With pre = x @ W^T + b
 (fp32 accumulation, rounded to x's dtype) and out = act(pre) + residual:
 
-    grad_pre = grad_out * act'(pre)      ("silu_mul": the gate's and the up's halves, (..., 2N))
+    grad_pre = grad_out * act'(pre)      (gated "<act>_mul": the gate's and the up's halves, (..., 2N))
     dx = grad_pre @ W,   dW = grad_pre^T @ x,   db = sum of grad_pre over rows,   dresidual = grad_out
 
 grad_pre is one Triton kernel (transfuse.kernels.activation_backward, through the
@@ -26,7 +26,7 @@ is the bf16 copy of an fp32 parameter, and the cast's backward widens db to fp32
 
 What is saved. Eager's linear + activation keeps x and W for the GEMM's backward and the linear's
 output h for the activation's (GELU and SiLU save their input, ReLU and tanh their output, which is
-h's size; a gated MLP keeps h, twice N wide, and silu(gate) too). linear_train_fwd keeps x, W and
+h's size; a gated MLP keeps h, twice N wide, and act(gate) too). linear_train_fwd keeps x, W and
 pre, h's twin, so a training step holds no more than eager's, and no more at the forward's peak
 either (pre and out live together, as h and act(h) do in eager). Its forward is transfuse.linear's
 bare GEMM writing pre and one kernel for act(pre) + residual; for "none" there is no pre to keep

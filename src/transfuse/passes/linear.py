@@ -31,7 +31,7 @@ from transfuse.passes.graph import (POINTWISE, arg, autocast_readers, cast_to, k
 from transfuse.passes.manager import PassContext
 
 PATTERN = "LinearEpilogue"
-GATED = "SwiGLU"
+GATED = "GatedLinearUnit"  # the rejections' name; each match is counted under its own (GATED_NAMES)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 ACTIVATIONS = {
@@ -41,6 +41,8 @@ ACTIVATIONS = {
     "tanh": torch.tanh,
     "silu": F.silu,
 }
+# The gated units the kernels fuse, act(gate) * up: the kernels' "<act>_mul", named as in Shazeer 2020.
+GATED_NAMES = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU", "relu": "ReGLU"}
 _PROBE = torch.cat([torch.linspace(-8.0, 8.0, 801, dtype=torch.float64), torch.tensor([-20.0, -0.5e-3, 0.0, 1e-3, 20.0], dtype=torch.float64)])
 
 
@@ -54,15 +56,15 @@ def run(ctx: PassContext) -> None:
             ctx.reject(PATTERN, node, reason)
             continue
         op = torch.ops.transfuse.linear_train.default if ctx.training else torch.ops.transfuse.linear.default
-        gated, why_not = _gated_silu(node)
-        if why_not:
-            ctx.reject(GATED, node, why_not)
+        gated, gate_activation = _gated(node)
+        if gated is None and gate_activation:
+            ctx.reject(GATED, node, gate_activation)  # why the gated unit is not fused
         if gated is not None:
             with graph.inserting_before(gated):
-                new = graph.call_function(op, (*_operands(graph, node), "silu_mul", None))
+                new = graph.call_function(op, (*_operands(graph, node), f"{gate_activation}_mul", None))
             new.meta["example_value"] = gated.meta.get("example_value")
             gated.replace_all_uses_with(new)
-            ctx.matched(GATED)
+            ctx.matched(GATED_NAMES[gate_activation])
             continue
         view = _row_view(node)
         activation, last, narrowed = _activation(view or node)
@@ -133,15 +135,22 @@ def _activation(linear: fx.Node) -> tuple[str, fx.Node, list[fx.Node] | None]:
         narrowed = _narrowed_views(exit_node, linear)
         if narrowed is None:
             return "none", linear, None
+    name = _which_activation(region, linear, exit_node)
+    return (name, exit_node, narrowed) if name is not None else ("none", linear, None)
+
+
+def _which_activation(region: list[fx.Node], start: fx.Node, exit_node: fx.Node) -> str | None:
+    """The name in ACTIVATIONS of what the element-wise region computes from `start`, judged on
+    probe values; None when it is none of them (or the probe cannot run it)."""
     try:
-        probed = _evaluate(region, linear, exit_node, _PROBE)
+        probed = _evaluate(region, start, exit_node, _PROBE)
     except Exception:  # an op our probe cannot evaluate: not a recognisable activation
-        return "none", linear, None
+        return None
     for name, fn in ACTIVATIONS.items():
         expected = fn(_PROBE)
         if probed.shape == expected.shape and torch.allclose(probed, expected, rtol=1e-5, atol=1e-6):
-            return name, exit_node, narrowed
-    return "none", linear, None
+            return name
+    return None
 
 
 def _narrowed_views(exit_node: fx.Node, linear: fx.Node) -> list[fx.Node] | None:
@@ -154,11 +163,11 @@ def _narrowed_views(exit_node: fx.Node, linear: fx.Node) -> list[fx.Node] | None
     return readers[1] if readers is not None and readers[0] == tensor_meta(linear).dtype else None
 
 
-def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
-    """The `mul` node of silu(gate) * up when `linear` computes [gate; up] in one GEMM (SiblingLinears
-    merged a gated MLP's two projections, or the model has one gate_up projection that it chunks,
-    as Phi-3 does) and its halves meet that way; else None, with the reason when it is a gated unit
-    that the kernel cannot fuse."""
+def _gated(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
+    """(the `mul` node of act(gate) * up, act's name in GATED_NAMES) when `linear` computes [gate; up]
+    in one GEMM (SiblingLinears merged a gated MLP's two projections, or the model has one gate_up
+    projection that it chunks, as Phi-3 does) and its halves meet that way; else (None, the reason
+    when it is a gated unit that the kernel cannot fuse, or None)."""
     meta = tensor_meta(linear)
     halves = _halves(linear, meta)
     if halves is None:
@@ -173,15 +182,13 @@ def _gated_silu(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
             continue
         if tensor_meta(mul).dtype != meta.dtype or not same_shape(shape(mul), shape(up)):
             continue
-        try:
-            probed = _evaluate(region, gate, exit_node, _PROBE)
-        except Exception:  # an op the probe cannot evaluate: not an activation we know
-            return None, None
-        if not torch.allclose(probed, F.silu(_PROBE), rtol=1e-5, atol=1e-6):
-            return None, "a gated unit whose activation is not SiLU (the kernel fuses silu(gate) * up only)"
+        name = _which_activation(region, gate, exit_node)
+        if name not in GATED_NAMES:
+            return None, (f"a gated unit whose activation is {name or 'not one the kernel knows'} (the kernel fuses "
+                          f"act(gate) * up for {', '.join(GATED_NAMES)})")
         if gate is second:
             return None, "the gate projection comes after the up projection in the merged weight"
-        return mul, None
+        return mul, name
     return None, None
 
 

@@ -4,7 +4,7 @@ transfuse.kernels.activation_backward.
     activation_ref(pre, activation, residual)     = act(pre) + residual
     activation_bwd_ref(grad_out, pre, activation) = the gradient torch's autograd sends to pre
 
-pre: (..., N), or (..., 2N) = [gate | up] for "silu_mul" (silu(gate) * up); residual, grad_out:
+pre: (..., N), or (..., 2N) = [gate | up] for a gated "<act>_mul" (act(gate) * up); residual, grad_out:
 (..., N). The backward is torch.autograd.grad through activation_ref: by construction the formulas
 eager autograd uses, in whichever dtype the inputs have.
 """

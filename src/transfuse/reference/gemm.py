@@ -2,8 +2,9 @@
 
     out = act(x @ weight.T + bias) + residual
 
-x: (..., K); weight: (N, K), or (2N, K) = [W_gate; W_up] for "silu_mul"; bias: (N,) or (2N,);
-residual: (..., N). "silu_mul" is silu(gate) * up (SwiGLU).
+x: (..., K); weight: (N, K), or (2N, K) = [W_gate; W_up] for a gated "<act>_mul"; bias: (N,) or
+(2N,); residual: (..., N). "<act>_mul" is act(gate) * up: "silu_mul" SwiGLU, "gelu_mul" and
+"gelu_tanh_mul" GeGLU, "relu_mul" ReGLU.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def linear_ref(
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The epilogue's activation on h, in h's dtype; "silu_mul" halves h's last dim."""
-    if activation == "silu_mul":
+    """The epilogue's activation on h, in h's dtype; a gated "<act>_mul" halves h's last dim."""
+    if activation.endswith("_mul") and activation[:-4] in _ACTIVATIONS:
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _ACTIVATIONS[activation[:-4]](gate) * up
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}")
     return _ACTIVATIONS[activation](h)
