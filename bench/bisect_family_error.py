@@ -1,48 +1,83 @@
-"""Where a family-sweep unit's bf16 forward error comes from: the sweep's model (same seed, same
-inputs at 13 tokens), its logits against the fp32 model for eager bf16, transfuse, and transfuse with
-each pass turned off in turn, with the three worst tokens (flattened batch x position; padded
-positions included, so eager shows large errors there too). For mixture-of-experts models, the
-fp32 router's smallest top-k margins (softmax probability of the k-th expert minus the (k+1)-th, with
-the balancing biases), by (layer, token): a token whose margin is below the dtype's resolution can
-pick another expert under any change of rounding.
+"""Where a family-sweep unit's forward error comes from: the sweep's model (same seed, same inputs),
+its logits against the fp32 model for eager in the dtype, transfuse, and transfuse with each pass
+turned off in turn, with the three worst tokens (flattened batch x position; padded positions
+included, so eager shows large errors there too). For mixture-of-experts models whose router
+modules (class name ending in "Router", with a `top_k`) return their logits first, also the fp32
+router's smallest top-k margins by (layer, token): the softmax probability of the k-th expert minus
+the (k+1)-th (plus the router's `balancing_biases`, if it has them). A token whose margin is below
+the dtype's resolution can pick another expert under any change of rounding.
 
-Dev tool: PYTHONPATH=src python3 bench/bisect_family_error.py zaya"""
-import copy, sys, torch
-sys.path.insert(0, "bench")
-import family_sweep as fs
-import transfuse
-from transfuse.passes.manager import registry
+Dev tool: PYTHONPATH=src python3 bench/bisect_family_error.py zaya [--dtype bf16] [--seq 13]"""
 
-fam = sys.argv[1] if len(sys.argv) > 1 else "zaya"
-u = fs.Unit(fam, "bf16", "cuda", lambda r: None)
-ref, eager, ours0, saved, attn = u.build()
-kw = u.inputs(13)
-# router margins in fp32 (hooks on the reference)
-margins = []
-def hook(mod, inp, out):
-    logits = out[0].float()
-    probs = logits.softmax(-1) + mod.balancing_biases
-    top = probs.topk(mod.top_k + 1, dim=-1).values
-    margins.append((top[:, mod.top_k - 1] - top[:, mod.top_k]))
-hs = [m.register_forward_hook(hook) for m in ref.modules() if type(m).__name__.endswith("Router")]
-with torch.no_grad():
-    want = ref(**u.cast(kw, ref)).logits.float()
-    base = eager(**u.cast(kw, eager)).logits.float()
-for h in hs: h.remove()
-if margins:
-    m = torch.stack(margins)  # layers x tokens
-    print("smallest fp32 router margins (layer, token, margin):",
-          [(int(i // m.shape[1]), int(i % m.shape[1]), round(float(m.flatten()[i]), 5)) for i in m.flatten().argsort()[:6]])
-def report(name, got):
-    tok = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
-    print(f"{name:28s} rel {float((got-want).norm()/want.norm()):.2e}  worst tokens",
-          [(int(i), round(float(tok[i]), 4)) for i in tok.argsort(descending=True)[:3]])
-report("eager bf16", base)
-names = [None] + [p.name for p in registry()]
-for name in names:
-    m = copy.deepcopy(eager)
-    transfuse.optimize(m, **({"disable": [name]} if name else {}))
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import family_sweep  # noqa: E402
+
+import transfuse  # noqa: E402
+from transfuse.passes.manager import registry  # noqa: E402
+
+
+def router_margins(ref, run) -> list[tuple[int, int, float]]:
+    """(layer, token, margin) for the six smallest fp32 router margins seen while `run()` runs."""
+    margins = []
+
+    def hook(module, _inputs, out):
+        logits = (out[0] if isinstance(out, tuple) else out).float()
+        probs = logits.softmax(-1) + getattr(module, "balancing_biases", 0.0)
+        top = probs.topk(module.top_k + 1, dim=-1).values
+        margins.append(top[:, module.top_k - 1] - top[:, module.top_k])
+
+    handles = [m.register_forward_hook(hook) for m in ref.modules()
+               if type(m).__name__.endswith("Router") and isinstance(getattr(m, "top_k", None), int)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    if not margins:
+        return []
+    table = torch.stack(margins)  # (layers, tokens)
+    order = table.flatten().argsort()[:6]
+    return [(int(i // table.shape[1]), int(i % table.shape[1]), round(float(table.flatten()[i]), 5)) for i in order]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family")
+    parser.add_argument("--dtype", default="bf16", choices=("fp16", "bf16", "fp32"))
+    parser.add_argument("--seq", type=int, default=13)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    unit = family_sweep.Unit(args.family, args.dtype, args.device, lambda record: None)
+    ref, eager, _, _, _ = unit.build()
+    inputs = unit.inputs(args.seq)
     with torch.no_grad():
-        got = m(**u.cast(kw, m)).logits.float()
-    report(f"transfuse -{name}" if name else "transfuse", got)
-    torch._dynamo.reset()
+        want = []
+        margins = router_margins(ref, lambda: want.append(ref(**unit.cast(inputs, ref)).logits.float()))
+        want = want[0]
+        base = eager(**unit.cast(inputs, eager)).logits.float()
+    if margins:
+        print("smallest fp32 router margins (layer, token, margin):", margins)
+
+    def report(name: str, got: torch.Tensor) -> None:
+        per_token = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+        worst = [(int(i), round(float(per_token[i]), 4)) for i in per_token.argsort(descending=True)[:3]]
+        print(f"{name:28s} rel {float((got - want).norm() / want.norm()):.2e}  worst tokens {worst}")
+
+    report(f"eager {args.dtype}", base)
+    for name in [None] + [p.name for p in registry()]:
+        model = copy.deepcopy(eager)
+        transfuse.optimize(model, **({"disable": [name]} if name else {}))
+        with torch.no_grad():
+            report(f"transfuse -{name}" if name else "transfuse", model(**unit.cast(inputs, model)).logits.float())
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
