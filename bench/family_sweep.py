@@ -546,6 +546,85 @@ FAMILIES += [
     ("gemma4_text", "dec", "Gemma4TextConfig", "Gemma4ForCausalLM",  # per-layer inputs, local and global layers
      dict(_LLAMA, head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16), None),
 ]
+# session 33: more transformers-5.x families not swept before: linear-attention hybrids (Qwen3.5,
+# Qwen3.5-MoE, Qwen4-Exp, Kimi-Linear, LFM2-MoE), MLA variants (DeepSeek-V3.2, GLM-4-MoE-Lite,
+# GLM-MoE-DSA, LongCat-Flash, Youtu, A.X K1/K2, HY-V4), sparse-indexer attention, MoE with zero
+# experts, Gemma-3n, and older decoders (Mamba-2, FalconMamba, BertGeneration, CPM-Ant, RWKV, TrOCR).
+_MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16)
+_DELTA_NET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=["linear_attention", "full_attention"])
+FAMILIES += [
+    ("qwen3_5_text", "dec", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(_LLAMA, head_dim=16, **_DELTA_NET), None),
+    ("qwen3_5_moe_text", "dec", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, **_DELTA_NET, head_dim=16, num_experts=4, shared_expert_intermediate_size=32), None),
+    ("qwen4_exp_text", "dec", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM",  # delta-net and indexed sparse attention
+     dict(_LLAMA, **_FEW_EXPERTS, **dict(_DELTA_NET, layer_types=["linear_attention", "qwen_sparse_attention"]),
+          head_dim=16, num_experts=4, shared_expert_intermediate_size=32, indexer_n_heads=2, indexer_kv_heads=1,
+          indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2), None),
+    ("kimi_linear", "dec", "KimiLinearConfig", "KimiLinearForCausalLM",  # KDA linear attention beside MLA
+     dict(_LLAMA, **_FEW_EXPERTS, **dict(_MLA, q_lora_rank=None), num_experts=4, linear_head_dim=16, linear_num_heads=4,
+          mlp_layer_types=["dense", "sparse"], layer_types=["linear_attention", "full_attention"]), None),
+    ("lfm2_moe", "dec", "Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, num_experts=4, num_dense_layers=1, layer_types=["conv", "full_attention"]),
+     None),
+    ("deepseek_v32", "dec", "DeepseekV32Config", "DeepseekV32ForCausalLM",  # MLA with a sparse top-k indexer
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+          index_topk=8, index_head_dim=16, index_n_heads=2, mlp_layer_types=["dense", "sparse"],
+          layer_types=["deepseek_sparse_attention"] * 2), None),
+    ("glm4_moe_lite", "dec", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, n_routed_experts=4, n_shared_experts=1, mlp_layer_types=["dense", "sparse"]),
+     None),
+    ("glm_moe_dsa", "dec", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, n_routed_experts=4, n_shared_experts=1, index_topk=8, index_head_dim=16,
+          index_n_heads=2, mlp_layer_types=["dense", "sparse"]), None),
+    ("longcat_flash", "dec", "LongcatFlashConfig", "LongcatFlashForCausalLM",  # zero-computation experts
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, head_dim=8, n_routed_experts=4, moe_topk=2, zero_expert_num=2,
+          expert_ffn_hidden_size=32, num_layers=1), None),
+    ("youtu", "dec", "YoutuConfig", "YoutuForCausalLM", dict(_LLAMA, **_MLA, head_dim=8), None),
+    ("axk1", "dec", "AXK1Config", "AXK1ForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, head_dim=8, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+          first_k_dense_replace=1), None),
+    ("axk2", "dec", "AXK2Config", "AXK2ForCausalLM",
+     dict(_LLAMA, **_FEW_EXPERTS, **_MLA, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+          first_k_dense_replace=1), None),
+    ("hy_v4", "dec", "HYV4Config", "HYV4ForCausalLM",  # MLA, an indexer, hyper-connections
+     dict(_LLAMA, **_FEW_EXPERTS, **dict(_MLA, v_head_dim=16), n_routed_experts=4, index_topk=8, index_head_dim=16,
+          index_n_heads=2), None),
+    ("mimo_v2_flash", "dec", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",  # qk 24 / v 16 heads, sliding window
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=24, v_head_dim=16, n_routed_experts=4, sliding_window=8), None),
+    ("aria_text", "dec", "AriaTextConfig", "AriaTextForCausalLM",
+     dict(_LLAMA, head_dim=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1), None),
+    ("minimax_m3_vl_text", "dec", "MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM",  # block-sparse indexed attention
+     dict(_LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2, dense_intermediate_size=96,
+          shared_intermediate_size=32, rotary_dim=8, index_n_heads=2, index_head_dim=16, index_block_size=4,
+          index_topk_blocks=2), None),
+    ("inkling_text", "dec", "InklingTextConfig", "InklingForCausalLM",  # relative-position SWA layers, MoE
+     dict(_LLAMA, **_FEW_EXPERTS, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+          sliding_window_size=8, rel_extent=16, n_routed_experts=4, n_shared_experts=1), None),
+    ("gemma3n_text", "dec", "Gemma3nTextConfig", "Gemma3nForCausalLM",  # AltUp, LAuReL, per-layer inputs
+     dict(_LLAMA, head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
+          sliding_window=8, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+          activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=2), None),
+    ("gemma4_unified_text", "dec", "Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
+     dict(_LLAMA, head_dim=16, sliding_window=8), None),
+    ("mamba2", "dec", "Mamba2Config", "Mamba2ForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=1, chunk_size=8, **IDS),
+     None),
+    ("falcon_mamba", "dec", "FalconMambaConfig", "FalconMambaForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, state_size=8, **IDS), None),
+    ("bert-generation", "dec", "BertGenerationConfig", "BertGenerationDecoder",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          is_decoder=True, **IDS), None),
+    ("cpmant", "dec", "CpmAntConfig", "CpmAntForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, dim_head=16, dim_ff=96, **IDS), None),
+    ("rwkv", "dec", "RwkvConfig", "RwkvForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=96, context_length=64, **IDS),
+     None),
+    ("trocr", "dec", "TrOCRConfig", "TrOCRForCausalLM",
+     dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=96, max_position_embeddings=64, **IDS),
+     None),
+]
 # session 32: encoder families new in transformers 5.x (MRA, YOSO: their CPU paths)
 _ENC = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
             vocab_size=VOCAB, pad_token_id=PAD)

@@ -46,6 +46,13 @@ def supports_default_static_cache(model: torch.nn.Module) -> str | None:
         return "not a generation model"
     if not getattr(model, "_can_compile_fullgraph", False):
         return "the model does not declare static-cache support (_can_compile_fullgraph)"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    topk = getattr(config, "index_topk", None)
+    if isinstance(topk, int):
+        # DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4): an indexer scores every slot of
+        # the cache, and Hugging Face's own static cache changes the tokens as transfuse's would.
+        return (f"its sparse attention keeps the index_topk={topk} best-scored slots of the whole cache, empty ones "
+                "included, so a static cache's length would change its answers")
     prepare = getattr(model, _PREPARE, None)
     if prepare is None or list(inspect.signature(prepare).parameters) != _EXPECTED:
         return f"this transformers version has no {_PREPARE}({', '.join(_EXPECTED)})"
@@ -63,6 +70,7 @@ class StaticCacheReuse:
         self.reused = 0
         self.created = 0
         self.probed: tuple | str | None = None  # see probe()
+        self.values_differ = False  # the probe saw a layer whose values are shaped unlike its keys
         self.windowed = 0  # sliding-window (or chunked) layers given the full length, in the last cache that had any
         self.own_masks = needs_own_masks(model)  # why transfuse builds generate()'s masks, or None
 
@@ -124,15 +132,20 @@ class StaticCacheReuse:
                     forward(**inputs)
                 part = getattr(cache, "self_attention_cache", cache)
                 self.probed = _layer_shapes(part) or ()
+                self.values_differ = _values_differ(part)
             except Exception as e:  # noqa: BLE001 - the model's own error: it keeps Hugging Face's default cache
                 self.probed = f"its forward fails with a static cache ({first_line(e, limit=160)})"
         return self.probed if isinstance(self.probed, str) else None
 
     def kv_shape(self):
         """(heads, head dim) to allocate a decoder's new cache with: per layer as the probe saw them,
-        else the config's guess."""
+        else the config's guess; None where the probe saw values shaped unlike the keys (MiMo-V2-Flash:
+        keys 192 wide, values 128), which early initialization cannot give them: the cache then
+        initializes itself from the first forward's keys and values."""
         if self.probed:
             return self.probed
+        if self.values_differ:
+            return None
         return getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
 
     def _initialize_like_kept(self, cache, batch_size: int) -> None:
@@ -229,6 +242,12 @@ def _layer_shapes(part):
                              and layer.values.shape == layer.keys.shape for layer in layers):
         return None
     return [layer.keys.shape[1] for layer in layers], [layer.keys.shape[-1] for layer in layers]
+
+
+def _values_differ(part) -> bool:
+    """Whether a layer of this initialized static cache holds values shaped unlike its keys."""
+    return any(getattr(layer, "keys", None) is not None and getattr(layer, "values", None) is not None
+               and layer.values.shape != layer.keys.shape for layer in getattr(part, "layers", None) or ())
 
 
 def _reorder_in_place(layer, beam_idx: torch.Tensor) -> None:
