@@ -30,6 +30,27 @@ def test_cpu_without_interpreter_is_refused():
     assert line and "TRITON_INTERPRET=1" in line[0] and "model.cuda()" in line[0], out.stdout + out.stderr
 
 
+def test_a_host_only_graph_between_gpu_graphs_runs_as_traced(monkeypatch):
+    """Outside the interpreter a graph of CPU tensors without parameters is host bookkeeping (Aria's
+    per-expert token counts, taken to the CPU between two graph breaks): it runs as traced and the
+    report says so; a CPU graph that takes parameters is a model left on the CPU and is refused."""
+    import transfuse.backend as backend
+
+    monkeypatch.setattr(backend, "INTERPRET", False)
+    torch._dynamo.reset()
+    host = backend.Backend()
+    counts = torch.tensor([3, 1, 4, 1, 5])
+    out = torch.compile(lambda c: torch.cumsum(c, 0) - c, backend=host)(counts)
+    torch.testing.assert_close(out, torch.cumsum(counts, 0) - counts)
+    assert [r.pattern for r in host.records[0].rejections] == ["HostGraph"]
+    assert not host.records[0].rewrites and not host.records[0].cuda_graphs
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"model is on the CPU"):
+        torch.compile(torch.nn.Linear(4, 4), backend=backend.Backend())(torch.randn(2, 4))
+    torch._dynamo.reset()
+
+
 def test_unhandled_ops_are_left_alone_and_reported():
     class Odd(torch.nn.Module):
         def __init__(self):

@@ -84,6 +84,9 @@ class Backend:
         self.merged.clear()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        if _host_graph(gm, example_inputs):
+            return self._as_traced(gm, "every input is on the CPU and none is a parameter: host-side bookkeeping "
+                                       "between the model's GPU graphs; it runs as traced")
         _check_inputs(gm, example_inputs)
         # Dynamo may run this graph for another instance of the module it traced (runtime/instances.py):
         # that instance gets a compile of its own, from the graph as traced.
@@ -93,6 +96,16 @@ class Backend:
             instances = Instances(pristine_copy(gm), static,
                                   lambda graph, inputs: self._compile(graph, inputs, static, instances, instance=True))
         return self._compile(gm, example_inputs, static, instances)
+
+    def _as_traced(self, gm: fx.GraphModule, reason: str):
+        """A graph no pass touches, in the report with the reason."""
+        first = next((n.name for n in gm.graph.nodes if n.op == "placeholder"), "graph")
+        flops = compute_flops(gm)
+        self.records.append(GraphRecord(rewrites={}, rejections=[Rejection("HostGraph", first, reason)],
+                                        flops_total=flops, flops_transfuse=0.0, cuda_graphs=False,
+                                        nodes=len(gm.graph.nodes)))
+        log.info("transfuse: a graph %s", reason)
+        return gm
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, static: list[int], instances: Instances | None,
                  instance: bool = False):
@@ -268,6 +281,16 @@ def check_device(tensors) -> None:
             "transfuse: the model is on the CPU; move it to a CUDA GPU (model.cuda()), or set "
             "TRITON_INTERPRET=1 before importing transfuse to run the kernels through Triton's interpreter"
         )
+
+
+def _host_graph(gm: fx.GraphModule, example_inputs) -> bool:
+    """A graph between two graph breaks that only counts on the host (Aria's experts take the
+    per-expert token counts to the CPU and slice by them) in a model whose other graphs run on the
+    GPU. Under Triton's interpreter every graph is on the CPU and compiles; a CPU graph that takes
+    parameters is a model left on the CPU, which check_device refuses."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return (not INTERPRET and bool(tensors) and not any(t.is_cuda for t in tensors)
+            and not static_inputs(gm))
 
 
 def _check_inputs(gm: fx.GraphModule, example_inputs) -> None:
