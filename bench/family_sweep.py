@@ -639,6 +639,53 @@ FAMILIES += [
     ("mra", "enc", "MraConfig", "MraForMaskedLM", dict(_ENC), None),
     ("yoso", "enc", "YosoConfig", "YosoForMaskedLM", dict(_ENC), None),
 ]
+# session 34: transformers-5.17 families not swept before: a byte-level model with entropy patching
+# (BLT), a multimodal-RoPE text decoder (Cohere Compass), an mLSTM recurrence (xLSTM), Zamba v1,
+# Reformer's chunked local and LSH attention, T5Gemma-2 and a composite bert2bert EncoderDecoderModel.
+_BLT_PART = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=96,
+                 max_position_embeddings=64, vocab_size=VOCAB)
+_REFORMER = dict(hidden_size=64, attention_head_size=16, num_attention_heads=4, feed_forward_size=96,
+                 attn_layers=["local", "lsh"], axial_pos_shape=[8, 8], axial_pos_embds_dim=[32, 32],
+                 max_position_embeddings=64, local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
+                 num_hashes=2, hash_seed=0,  # a fixed seed: the same random rotations (buckets) in every call
+                 hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, **IDS)
+_T5GEMMA2_TEXT = dict(_LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+             **IDS)
+FAMILIES += [
+    # BLT: a patcher LM's entropies cut the bytes into patches (threshold 4.35: patches of 1 to 10 tokens with these
+    # weights, no entropy within 1e-4 of it), hashed n-gram embeddings, local encoder and decoder cross-attending
+    # to the patches, a global transformer over the patches; data-dependent patch counts
+    ("blt", "dec", "BltConfig", "BltForCausalLM",
+     dict(_BLT_PART, patching_mode="entropy", patching_threshold=4.35, patch_size=4, cross_attn_k=2,
+          encoder_hash_byte_group_size=[3, 4], encoder_hash_byte_group_vocab=64, patcher_config=dict(_BLT_PART),
+          encoder_config=dict(_BLT_PART, num_hidden_layers=1, hidden_size_global=64),
+          decoder_config=dict(_BLT_PART, hidden_size_global=64), global_config=dict(_BLT_PART),
+          pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS), None),
+    ("cohere_compass_text", "dec", "CohereCompassTextConfig", "CohereCompassForCausalLM",  # 3-section mRoPE (sliding
+     dict(_LLAMA, layer_types=["sliding_attention", "full_attention"], sliding_window=8, logit_scale=0.5,  # layer), NoPE
+          rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]),
+                               full_attention=None)), None),  # global layer, parallel attention+MLP, scaled logits
+    ("xlstm", "dec", "xLSTMConfig", "xLSTMForCausalLM",  # mLSTM (matrix memory): chunkwise kernel, then step kernel
+     dict(hidden_size=64, num_hidden_layers=2, num_heads=4, qk_dim_factor=1.0, chunk_size=8,
+          autocast_kernel_dtype="float32", **IDS), None),
+    ("zamba", "dec", "ZambaConfig", "ZambaForCausalLM",  # Mamba layers, one attention block shared by the hybrid layers
+     dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, attention_head_dim=16,
+          intermediate_size=96, n_mamba_heads=2, mamba_d_state=8, layers_block_type=["mamba", "hybrid", "hybrid"],
+          use_mamba_kernels=False, max_position_embeddings=64, **IDS), None),
+    ("reformer", "enc", "ReformerConfig", "ReformerForMaskedLM",  # chunked local and LSH (hashed-bucket) attention,
+     dict(_REFORMER, local_num_chunks_after=1, lsh_num_chunks_after=1), None),  # axial positions, reversible layers
+    ("reformer:lm", "dec", "ReformerConfig", "ReformerModelWithLMHead",  # causal local and LSH, its own bucket cache
+     dict(_REFORMER, is_decoder=True), None),
+    ("t5gemma2", "s2s", "T5Gemma2Config", "T5Gemma2ForConditionalGeneration",  # Gemma-3 blocks, merged self+cross
+     dict(encoder=dict(text_config=dict(_T5GEMMA2_TEXT), vision_config=dict(_IMG), mm_tokens_per_image=4),  # attention
+          decoder=dict(_T5GEMMA2_TEXT), **_S2S_IDS), None),  # (a tiny SigLIP tower is built but gets no image)
+    ("bert2bert", "s2s", "EncoderDecoderConfig", "EncoderDecoderModel",  # composite: BERT encoder, BERT decoder with
+     dict(encoder=dict(_BERT, model_type="bert"),  # cross-attention (EncoderDecoderConfig.for_model sub-configs)
+          decoder=dict(_BERT, model_type="bert", is_decoder=True, add_cross_attention=True),
+          pad_token_id=PAD, decoder_start_token_id=BOS), None),
+]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
 BY_NAME = {f[0]: f for f in FAMILIES}
@@ -767,7 +814,8 @@ class Unit:
         import transformers
 
         name, kind, config_cls, model_cls, config, attn = self.spec
-        cfg = getattr(transformers, config_cls)(**geometry(config, nested=kind in MEDIA))
+        # a copy: some config classes consume their sub-config dicts (EncoderDecoderConfig pops "model_type")
+        cfg = getattr(transformers, config_cls)(**geometry(copy.deepcopy(config), nested=kind in MEDIA))
         if attn is not None:
             cfg._attn_implementation = attn
         torch.manual_seed(0)
