@@ -283,9 +283,13 @@ def is_last_two_transpose(node: fx.Node) -> bool:
 
 def static_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Placeholders that hold module parameters or buffers (Dynamo lifts them as graph inputs):
-    placeholder node -> its position among the graph's inputs."""
+    placeholder node -> its position among the graph's inputs. Tensors only: the size of a module's
+    tensor attribute, lifted as a SymInt input, has the module's guard source too (RecurrentGemma's
+    recurrent state in training, under torch 2.11)."""
     out = {}
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        if not isinstance(node.meta.get("example_value"), torch.Tensor):
+            continue
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
         guard = getattr(source, "guard_source", None)
