@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from transfuse.kernels import gemm as kernels
 from transfuse.kernels import gemm_few_rows, gemv
 from transfuse.kernels._config import INTERPRET, compiling_only
+from transfuse.reference.gemm import ACTIVATION_FUNCTIONS
 
 BACKEND_ENV = "TRANSFUSE_GEMM_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
@@ -163,11 +164,7 @@ _INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # A gated unit's activation, on the gate's half (a strided view): out of place, so that the product
 # with the up half is a new contiguous tensor.
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu_mul": F.silu,
-    "gelu_mul": F.gelu,
-    "gelu_tanh_mul": lambda h: F.gelu(h, approximate="tanh"),
-    "relu_mul": F.relu,
-}
+    gated: ACTIVATION_FUNCTIONS[gated.removesuffix("_mul")] for gated in kernels.GATED_ACTIVATIONS}
 
 
 def cublaslt_epilogue_applies(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> bool:

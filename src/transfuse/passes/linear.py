@@ -24,23 +24,17 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from transfuse.passes.graph import (POINTWISE, arg, autocast_readers, cast_to, kind, record_dtype, same_shape, scalar, shape,
                                     tensor_meta)
 from transfuse.passes.manager import PassContext
+from transfuse.reference.gemm import ACTIVATION_FUNCTIONS
 
 PATTERN = "LinearEpilogue"
 GATED = "GatedLinearUnit"  # the rejections' name; each match is counted under its own (GATED_NAMES)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": torch.relu,
-    "tanh": torch.tanh,
-    "silu": F.silu,
-}
+ACTIVATIONS = {name: fn for name, fn in ACTIVATION_FUNCTIONS.items() if name != "none"}  # what a region may compute
 # The gated units the kernels fuse, act(gate) * up: the kernels' "<act>_mul", named as in Shazeer 2020.
 GATED_NAMES = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU", "relu": "ReGLU"}
 _PROBE = torch.cat([torch.linspace(-8.0, 8.0, 801, dtype=torch.float64), torch.tensor([-20.0, -0.5e-3, 0.0, 1e-3, 20.0], dtype=torch.float64)])

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
+# The element-wise activations of ACTIVATIONS (kernels.gemm), out of place: the reference the kernels
+# are tested against, the functions the linear pass recognises an activation by, and cuBLAS's gates.
+ACTIVATION_FUNCTIONS = {
     "none": lambda h: h,
     "gelu": lambda h: F.gelu(h),
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
@@ -46,9 +48,9 @@ def linear_ref(
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """The epilogue's activation on h, in h's dtype; a gated "<act>_mul" halves h's last dim."""
-    if activation.endswith("_mul") and activation[:-4] in _ACTIVATIONS:
+    if activation.endswith("_mul") and activation[:-4] in ACTIVATION_FUNCTIONS:
         gate, up = h.chunk(2, dim=-1)
-        return _ACTIVATIONS[activation[:-4]](gate) * up
-    if activation not in _ACTIVATIONS:
+        return ACTIVATION_FUNCTIONS[activation[:-4]](gate) * up
+    if activation not in ACTIVATION_FUNCTIONS:
         raise ValueError(f"unknown activation {activation!r}")
-    return _ACTIVATIONS[activation](h)
+    return ACTIVATION_FUNCTIONS[activation](h)
