@@ -21,6 +21,7 @@ such casting linears read it: see _narrowed_views.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -50,15 +51,15 @@ def run(ctx: PassContext) -> None:
             ctx.reject(PATTERN, node, reason)
             continue
         op = torch.ops.transfuse.linear_train.default if ctx.training else torch.ops.transfuse.linear.default
-        gated, gate_activation = _gated(node)
-        if gated is None and gate_activation:
-            ctx.reject(GATED, node, gate_activation)  # why the gated unit is not fused
-        if gated is not None:
-            with graph.inserting_before(gated):
-                new = graph.call_function(op, (*_operands(graph, node), f"{gate_activation}_mul", None))
-            new.meta["example_value"] = gated.meta.get("example_value")
-            gated.replace_all_uses_with(new)
-            ctx.matched(GATED_NAMES[gate_activation])
+        unit = _gated(node)
+        if unit.refusal:
+            ctx.reject(GATED, node, unit.refusal)  # a gated unit the kernel cannot fuse
+        if unit.mul is not None:
+            with graph.inserting_before(unit.mul):
+                new = graph.call_function(op, (*_operands(graph, node), f"{unit.activation}_mul", None))
+            new.meta["example_value"] = unit.mul.meta.get("example_value")
+            unit.mul.replace_all_uses_with(new)
+            ctx.matched(GATED_NAMES[unit.activation])
             continue
         view = _row_view(node)
         activation, last, narrowed = _activation(view or node)
@@ -157,15 +158,22 @@ def _narrowed_views(exit_node: fx.Node, linear: fx.Node) -> list[fx.Node] | None
     return readers[1] if readers is not None and readers[0] == tensor_meta(linear).dtype else None
 
 
-def _gated(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
-    """(the `mul` node of act(gate) * up, act's name in GATED_NAMES) when `linear` computes [gate; up]
-    in one GEMM (SiblingLinears merged a gated MLP's two projections, or the model has one gate_up
-    projection that it chunks, as Phi-3 does) and its halves meet that way; else (None, the reason
-    when it is a gated unit that the kernel cannot fuse, or None)."""
+class GatedUnit(NamedTuple):
+    """What _gated found after a linear: the `mul` of act(gate) * up and act's name in GATED_NAMES
+    when the kernel fuses it; else a refusal when it is a gated unit the kernel cannot fuse."""
+    mul: fx.Node | None = None
+    activation: str | None = None
+    refusal: str | None = None
+
+
+def _gated(linear: fx.Node) -> GatedUnit:
+    """The gated unit `linear` feeds when it computes [gate; up] in one GEMM (SiblingLinears merged
+    a gated MLP's two projections, or the model has one gate_up projection that it chunks, as
+    Phi-3 does) and its halves meet as act(gate) * up; an empty GatedUnit when there is none."""
     meta = tensor_meta(linear)
     halves = _halves(linear, meta)
     if halves is None:
-        return None, None
+        return GatedUnit()
     first, second = halves
     for gate, up in ((first, second), (second, first)):
         region, exit_node = _pointwise_region(gate)
@@ -178,12 +186,12 @@ def _gated(linear: fx.Node) -> tuple[fx.Node | None, str | None]:
             continue
         name = _which_activation(region, gate, exit_node)
         if name not in GATED_NAMES:
-            return None, (f"a gated unit whose activation is {name or 'not one the kernel knows'} (the kernel fuses "
-                          f"act(gate) * up for {', '.join(GATED_NAMES)})")
+            return GatedUnit(refusal=f"a gated unit whose activation is {name or 'not one the kernel knows'} (the "
+                                     f"kernel fuses act(gate) * up for {', '.join(GATED_NAMES)})")
         if gate is second:
-            return None, "the gate projection comes after the up projection in the merged weight"
-        return mul, name
-    return None, None
+            return GatedUnit(refusal="the gate projection comes after the up projection in the merged weight")
+        return GatedUnit(mul, name)
+    return GatedUnit()
 
 
 def _halves(linear: fx.Node, meta) -> tuple[fx.Node, fx.Node] | None:
