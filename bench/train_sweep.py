@@ -43,20 +43,30 @@ device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
 with_labels = len(sys.argv) > 5 and sys.argv[5] == "labels"
 # TRAIN_SWEEP_DISABLE=attention,rms_norm: passes left out (names as in passes/manager.py), to bisect a FAIL
 DISABLED = tuple(n for n in os.environ.get("TRAIN_SWEEP_DISABLE", "").split(",") if n)
+
+
+def _no_random_draws(cfg) -> None:
+    """Dropouts, stochastic depth (Swin's drop_path_rate), LayerDrop (wav2vec2's layerdrop) and
+    routers' jitter noise (Switch Transformers multiplies the router input by uniform noise in
+    training) set to 0: random draws that differ between the models compared. Sub-configs too (an
+    EncoderDecoderModel's encoder and decoder, a vision tower)."""
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, transformers.PretrainedConfig):
+            _no_random_draws(v)
+            continue
+        drawn = any(word in k for word in ("dropout", "pdrop", "drop_path", "layerdrop", "jitter"))
+        if isinstance(v, float) and (drawn or k.endswith("_drop")):
+            setattr(cfg, k, 0.0)
+
+
 for spec in FAMILIES:
     name, kind, config_cls, model_cls, config, attn = spec
     if name not in names:
         continue
     t0 = time.time()
     try:
-        cfg = getattr(transformers, config_cls)(**config)
-        for k, v in list(vars(cfg).items()):
-            # dropouts, stochastic depth (Swin's drop_path_rate), LayerDrop (wav2vec2's layerdrop) and
-            # routers' jitter noise (Switch Transformers multiplies the router input by uniform noise in
-            # training): random draws that differ between the models compared
-            drawn = any(word in k for word in ("dropout", "pdrop", "drop_path", "layerdrop", "jitter"))
-            if isinstance(v, float) and (drawn or k.endswith("_drop")):
-                setattr(cfg, k, 0.0)
+        cfg = getattr(transformers, config_cls)(**copy.deepcopy(config))
+        _no_random_draws(cfg)
         if attn is not None:
             cfg._attn_implementation = attn
         torch.manual_seed(0)
