@@ -127,23 +127,6 @@ def test_first_bucket_dry_runs_itself_only(monkeypatch):
     assert runner.precompiled is None and runner.precompiled_first["buckets"] == 1
 
 
-def test_a_first_bucket_compiled_by_an_earlier_process_is_not_dry_run(monkeypatch, tmp_path):
-    """The first bucket has a marker of its own (the CPU has none: one in tmp_path stands in for the
-    GPU's): a fresh process whose first bucket an earlier one compiled goes straight to its capture."""
-    runner, args, real, target = _runner_and_call((3, 9))
-    keys = []
-    monkeypatch.setattr(precompile, "marker", lambda device, code, k: keys.append(k) or tmp_path / str(len(k)))
-    shapes = _record_dry_runs(monkeypatch, runner, run=False)
-    padded = runner._padded_args(args, real, target)
-    runner._precompile(args, padded, target, every_bucket=False)
-    assert keys[-1] == [["16", "4"]] and (tmp_path / "1").exists()
-    runner._precompile(args, padded, target, every_bucket=False)  # as a fresh process would
-    assert shapes == [(4, 16)] and "earlier process" in runner.precompiled_first["skipped"]
-    assert runner.precompiled is None  # the second bucket still dry-runs every bucket
-    runner._precompile(args, padded, target, every_bucket=True)
-    assert len(shapes) > 1 and runner.precompiled["buckets"] == len(shapes) - 1
-
-
 def test_off_by_environment(monkeypatch):
     monkeypatch.setenv(precompile.ENV, "0")
     assert not precompile.enabled()

@@ -239,13 +239,6 @@ class PaddedRunner(GraphCache):
             return
         if not every_bucket:
             combos = [None]  # this call's bucket: the padded arguments themselves
-            # Its own marker: a fresh process whose first bucket an earlier one compiled skips the dry
-            # run (0.7-1.0 s of Python for bert-base on the H200 host, 2026-11-28) and reads Triton's
-            # disk cache at its first launches instead.
-            marker = precompile.marker(device, getattr(self.fn, "code", ""), [sorted(map(str, target.values()))])
-            if marker is not None and marker.exists():
-                self.precompiled_first = dict(done, skipped="compiled by an earlier process (Triton's disk cache has them)")
-                return
         failures = 0
         with precompile.compile_only() as stats:
             for combo in combos:
@@ -255,10 +248,10 @@ class PaddedRunner(GraphCache):
                     failures += 1
                     done.setdefault("error", f"sizes {combo}: {type(e).__name__}: {str(e)[:200]}")
         done.update(stats, buckets=len(combos) - failures, failed_buckets=failures)
-        if every_bucket:
-            self.precompiled = done
-        else:
+        if not every_bucket:
             self.precompiled_first = done
+            return
+        self.precompiled = done
         if not stats["failed"] and not failures:
             precompile.mark(marker)
 
