@@ -686,6 +686,41 @@ FAMILIES += [
           decoder=dict(_BERT, model_type="bert", is_decoder=True, add_cross_attention=True),
           pad_token_id=PAD, decoder_start_token_id=BOS), None),
 ]
+# session 35: text models of transformers 5.17 that no entry above builds: Mistral-4 (MLA and experts, interleaved
+# rope), Mllama's text decoder (cross-attention layers, here without images), Emu3's text decoder, Nystromformer
+# (landmarks = segment length: its softmax path, whatever the input length, and the conv on the values)
+FAMILIES += [
+    ("mistral4", "dec", "Mistral4Config", "Mistral4ForCausalLM",  # MLA: qk 24 (16 + rope 8), v 16; 4 experts
+     dict(_LLAMA, **_MLA, **_FEW_EXPERTS, qk_head_dim=24, head_dim=24, n_shared_experts=1, n_routed_experts=4,
+          n_group=1, topk_group=1, first_k_dense_replace=1), None),
+    ("mllama_text", "dec", "MllamaTextConfig", "MllamaForCausalLM",  # layer 1 a cross-attention layer (no image: skipped)
+     dict(_LLAMA, num_hidden_layers=3, cross_attention_layers=[1]), None),
+    ("emu3_text", "dec", "Emu3TextConfig", "Emu3ForCausalLM", dict(_LLAMA, attention_dropout=0.0), None),
+    ("nystromformer", "enc", "NystromformerConfig", "NystromformerForMaskedLM",  # landmark (Nystrom) attention, a
+     dict(_ENC, num_landmarks=64, segment_means_seq_len=64, conv_kernel_size=3), None),  # depthwise conv on values
+]
+# Vision-language models asked for text only, as users often do: the whole model class (its vision tower built,
+# no image given). Qwen2-VL's family take multimodal RoPE: position ids (3, batch, seq) from get_rope_index, the
+# head dim's frequencies in three sections, rope deltas carried through generate().
+_MROPE_TEXT = dict(_LLAMA, head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                            mrope_section=[2, 3, 3]))
+_QWEN_VISION = dict(depth=1, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+FAMILIES += [
+    ("qwen2_vl", "dec", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+     dict(text_config=dict(_MROPE_TEXT), vision_config=dict(_QWEN_VISION, embed_dim=32, mlp_ratio=2), **IDS), None),
+    ("qwen2_5_vl", "dec", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+     dict(text_config=dict(_MROPE_TEXT), vision_config=dict(_QWEN_VISION, intermediate_size=96, out_hidden_size=64,
+                                                            window_size=28, fullatt_block_indexes=[0]), **IDS), None),
+    ("qwen3_vl", "dec", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",  # interleaved mRoPE, deepstack
+     dict(text_config=dict(_MROPE_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                             mrope_section=[2, 3, 3], mrope_interleaved=True)),
+          vision_config=dict(_QWEN_VISION, intermediate_size=96, out_hidden_size=64, num_position_embeddings=16,
+                             deepstack_visual_indexes=[0]), **IDS), None),
+    ("gemma3", "dec", "Gemma3Config", "Gemma3ForConditionalGeneration",  # Gemma-3 with its SigLIP tower, text only
+     dict(text_config=dict(_LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"]),
+          vision_config=dict(_IMG), mm_tokens_per_image=4, **IDS), None),
+]
 MEDIA = ("img", "vl", "asr", "wav")  # kinds whose inputs are not (only) token ids
 GENERATIVE = ("dec", "s2s", "asr")  # kinds with generate() checks
 BY_NAME = {f[0]: f for f in FAMILIES}
