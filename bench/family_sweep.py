@@ -716,6 +716,9 @@ FAMILIES += [
                                                              mrope_section=[2, 3, 3], mrope_interleaved=True)),
           vision_config=dict(_QWEN_VISION, intermediate_size=96, out_hidden_size=64, num_position_embeddings=16,
                              deepstack_visual_indexes=[0]), **IDS), None),
+    ("git", "dec", "GitConfig", "GitForCausalLM",  # GIT: a BERT-style causal decoder over (here no) image tokens
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+          vision_config=dict(_IMG), **IDS), None),
     ("gemma3", "dec", "Gemma3Config", "Gemma3ForConditionalGeneration",  # Gemma-3 with its SigLIP tower, text only
      dict(text_config=dict(_LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"]),
