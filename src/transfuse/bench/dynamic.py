@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
-from transfuse.bench import encoder
+from transfuse.bench import encoder, timing
 
 DESCRIPTION = "a stream of requests of random shapes: total wall time incl. warm-up, first-call and new-bucket seconds"
 DEFAULT_PROVIDERS = "eager,compile,compile-ro,transfuse"
@@ -86,20 +86,24 @@ def _dynamo_frames() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _first_call(args, device) -> None:
-    """--first-call-only: one transfuse call in this fresh process; prints JSON."""
+def first_call_model(args, device) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model of args (config, dtype, attn) on `device`, optimized and not yet called, and its 8x128
+    inputs (also bench/first_call_phases.py's)."""
     import transfuse
 
     dtype = encoder.DTYPES[args.dtype]
     model = encoder.make_model(encoder.make_config(args), 0).to(device=device, dtype=dtype)
     inputs = encoder.make_inputs(8, 128, model.config.vocab_size, 0.0, 0, device)
-    transfuse.optimize(model)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+    return transfuse.optimize(model), inputs
+
+
+def _first_call(args, device) -> None:
+    """--first-call-only: one transfuse call in this fresh process; prints JSON."""
+    import transfuse
+
+    model, inputs = first_call_model(args, device)
     with torch.inference_mode():
-        model(**inputs)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+        seconds, _ = timing.time_first_call(model, inputs, cuda=True)
     lines = [line.strip() for line in transfuse.report(model).splitlines() if "precompile" in line]
     print(json.dumps({"first_call_s": seconds, "precompile": lines}))
 
