@@ -41,7 +41,7 @@ def _record_dry_runs(monkeypatch, runner, run=True):
         return fn(*args) if run else None
 
     @contextlib.contextmanager
-    def compile_only(workers=None):
+    def compile_only(workers=None, processes=True):
         runner.fn = dry
         try:
             yield {"compiles": 0, "failed": 0, "seconds": 0.0}

@@ -66,6 +66,8 @@ def test_precompile_then_no_compile_per_bucket(tmp_path):
     done, *later = first["precompiled"]
     assert not done["skipped"] and done["failed"] == 0, (first["report"], done)
     assert done["buckets"] >= 20 and done["compiles"] > 0
+    if sys.platform == "linux":  # compiles in forked processes, their binaries loaded by threads here
+        assert done["how"].endswith("forked processes"), done
     assert first["after_second"] >= done["compiles"] > 0
     later += first["first_buckets"][1:]  # another trace's first bucket (batch 1) may compile its own
     assert first["first_buckets"][0]["compiles"] > 0 and first["first_buckets"][0]["buckets"] == 1

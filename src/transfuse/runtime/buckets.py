@@ -240,7 +240,9 @@ class PaddedRunner(GraphCache):
         if not every_bucket:
             combos = [None]  # this call's bucket: the padded arguments themselves
         failures = 0
-        with precompile.compile_only() as stats:
+        # Forked compile processes pay for themselves over every bucket's few dozen compiles, not
+        # over one bucket's handful (runtime/precompile.py).
+        with precompile.compile_only(processes=every_bucket) as stats:
             for combo in combos:
                 try:
                     self.fn(*(padded if combo is None else self._args_at(args, at(combo))))

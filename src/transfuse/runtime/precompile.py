@@ -3,12 +3,13 @@
 A model served at many shapes needs a few dozen Triton variants (attention per sequence regime, GEMM
 tiles per row regime, ...). Compiled one by one as each bucket first comes, they were most of a cold
 start: ~40 compiles, 1-2 s each once a new bucket came (bench/results/*triton-variants-cold-stream*).
-Compiles run in parallel threads (bench/kernels/compile_parallel.py; see compile_only for how much).
+Compiles run in parallel (forked processes; see compile_only for how much).
 
 So when a bucketed runner is about to capture its second bucket (the first capture compiles only its
 own bucket's kernels, in the same way: a model served at one shape pays nothing more), it dry-runs
 its graph once per bucket it may meet, in `compile_only()`: every Triton launch becomes Triton's own
-compile-without-launch (`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode);
+compile-without-launch (`warmup=True`), queued on a thread pool (Triton's AsyncCompileMode) whose
+threads hand each compile to a forked process and load its binary back (_ForkedCompiles);
 autotuned kernels queue every config they would time; the GEMM dispatcher queues its Triton
 candidates and times nothing. Outputs of a dry run are never read (kernels do not run; their outputs
 hold whatever memory held). The block waits for every compile; later launches find their binaries in
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ import torch
 from transfuse.kernels._config import COMPILE_ONLY
 
 ENV = "TRANSFUSE_PRECOMPILE"
+PROCESSES_ENV = "TRANSFUSE_PRECOMPILE_PROCESSES"
 # A dry run allocates every intermediate of a forward at the bucket's size: buckets above this many
 # rows of the first dynamic input (e.g. batch x seq tokens) are not dry-run, unless the call that
 # triggers the precompile is itself that large. Above a few thousand rows the GEMMs are cuBLAS's and
@@ -45,16 +49,21 @@ def enabled() -> bool:
 
 
 @contextlib.contextmanager
-def compile_only(workers: int | None = None):
+def compile_only(workers: int | None = None, processes: bool = True):
     """Inside: Triton launches compile in a thread pool (Triton's AsyncCompileMode) and do not run.
     On exit: waits for every compile; a failed one is dropped (its first real launch compiles it
     again and reports its error there). Yields a dict that holds {"compiles", "failed", "seconds",
     "dry_run_seconds", "how"} after the block.
 
-    Threads, not processes: Triton's code generator is Python and holds the interpreter lock, but its
-    LLVM and ptxas stages do not (44 bert-base variants: 14 s in 16 threads). Compiling in fresh
-    processes from Triton's serialised specialisations was measured slower on the H100 host (19 s:
-    each process starts torch and Triton first) and is not used."""
+    Where the platform forks (Linux), each compile runs first in a forked process (_ForkedCompiles):
+    in threads alone, Triton's Python code generator and its MLIR passes hold the interpreter lock,
+    and bert-base's 48 variants, 36 s of compiling one at a time, took 12.4 s in 16 threads (4.3 at
+    once on average, the dry run itself slowed 4.8 -> 11.1 s by the lock: bench/precompile_phases.py,
+    H200, 2026-11-29; 4.7-4.9 s in 16 forked processes, the dry run 3.5 s). Forked processes start
+    in a fraction of a second, where fresh ones each start torch and Triton first (19 s for 44
+    variants on an H100, session 11); still, for a handful of compiles (`processes=False`: a first
+    bucket's) starting them costs more than they save. TRANSFUSE_PRECOMPILE_PROCESSES=0 keeps every
+    compile in threads."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
@@ -81,7 +90,7 @@ def compile_only(workers: int | None = None):
         self.nargs = None
 
     start = time.perf_counter()
-    threads = _ThreadCompiles(workers)
+    threads = _ThreadCompiles(workers, processes=processes and _processes_enabled())
     try:
         with threads:
             token = COMPILE_ONLY.set(True)
@@ -93,18 +102,19 @@ def compile_only(workers: int | None = None):
                 JITFunction.run, Autotuner.run = jit_run, tune_run
                 stats["dry_run_seconds"] = time.perf_counter() - start
         _forget(touched.values(), threads.failed_kernels)
-        stats.update(compiles=threads.compiles, failed=threads.failed,
-                     how=f"{workers} threads" if threads.mode is not None else "series (no AsyncCompileMode)")
+        stats.update(compiles=threads.compiles, failed=threads.failed, how=threads.how())
     finally:
         stats["seconds"] = time.perf_counter() - start
 
 
 class _ThreadCompiles:
-    """Triton's AsyncCompileMode over a thread pool; without it (an older Triton) the dry run's
-    launches compile one by one as it meets them."""
+    """Triton's AsyncCompileMode over a thread pool (whose compiles first run in forked processes
+    where `processes`); without the mode (an older Triton) the dry run's launches compile one by one
+    as it meets them."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, processes: bool = False):
         self.workers = workers
+        self.processes = processes
         self.compiles = self.failed = 0
         self.failed_kernels: list = []
 
@@ -114,10 +124,19 @@ class _ThreadCompiles:
         except ImportError:
             self.mode = None
             return self
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="transfuse-compile")
+        self.pool = None
+        if self.processes:
+            self.pool = _ForkedCompiles.start(self.workers)
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="transfuse-compile")
         self.mode = AsyncCompileMode(self.pool)
         self.mode.__enter__()
         return self
+
+    def how(self) -> str:
+        if self.mode is None:
+            return "series (no AsyncCompileMode)"
+        return f"{self.workers} forked processes" if isinstance(self.pool, _ForkedCompiles) else f"{self.workers} threads"
 
     def __exit__(self, *exc):
         if self.mode is None:
@@ -134,6 +153,90 @@ class _ThreadCompiles:
         self.mode.__exit__(None, None, None)
         self.pool.shutdown()
         return False
+
+
+def _processes_enabled() -> bool:
+    return os.environ.get(PROCESSES_ENV, "1").strip() != "0"
+
+
+class _ForkedCompiles(Executor):
+    """The executor handed to Triton's AsyncCompileMode when compiles run in processes.
+
+    Triton submits each compile as a closure over its ASTSource, target, options and environment.
+    The compile runs first in a forked worker, from those values (_compile_in_worker): code
+    generation, MLIR, LLVM and ptxas, its binary written to Triton's disk cache. Then Triton's own
+    closure runs here in a thread, finds the binary in the disk cache and only loads it. Whatever
+    the worker cannot do (a kernel not defined at module level, a value that does not pickle, an
+    error) the thread's own call does as before, and reports its error as before."""
+
+    def __init__(self, workers: int, processes: ProcessPoolExecutor):
+        self.processes = processes
+        self.threads = ThreadPoolExecutor(workers, thread_name_prefix="transfuse-compile")
+
+    @classmethod
+    def start(cls, workers: int) -> "_ForkedCompiles | None":
+        """Forks the workers now, from this thread, before any compile thread exists (a fork copies
+        only the forking thread; locks other threads hold would stay held in the child). None where
+        the platform does not fork or the fork fails."""
+        if "fork" not in multiprocessing.get_all_start_methods():
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
+                processes = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+                for ready in [processes.submit(os.getpid) for _ in range(workers)]:
+                    ready.result(timeout=60)
+        except Exception:  # noqa: BLE001 - threads alone compile everything, only slower
+            return None
+        return cls(workers, processes)
+
+    def submit(self, fn, /, *args, **kwargs):
+        spec = _compile_spec(fn)
+        remote = self.processes.submit(_compile_in_worker, spec) if spec is not None else None
+        return self.threads.submit(_load_after, remote, fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.threads.shutdown(wait, cancel_futures=cancel_futures)
+        self.processes.shutdown(wait, cancel_futures=cancel_futures)
+
+
+def _compile_spec(fn) -> tuple | None:
+    """What a worker needs to repeat Triton's compile closure `fn` (triton.runtime.jit's
+    `async_compile`, over src, target, options and env_vars in Triton 3.6-3.8): the kernel's module
+    and name, its signature, constants and attributes, the target, the options, the environment.
+    None when the closure is not of that form."""
+    try:
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        src, options = cells["src"], cells["options"]
+        raw = src.fn.fn
+        return (raw.__module__, raw.__qualname__, dict(src.signature), dict(src.constants), dict(src.attrs),
+                cells["target"], dict(options.__dict__), cells.get("env_vars"))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _compile_in_worker(spec: tuple) -> None:
+    import importlib
+
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    module, name, signature, constants, attrs, target, options, env_vars = spec
+    kernel = getattr(importlib.import_module(module), name)
+    while not isinstance(kernel, JITFunction):  # autotuner and heuristics wrappers hold theirs in .fn
+        kernel = kernel.fn
+    triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options,
+                   _env_vars=env_vars)
+
+
+def _load_after(remote, fn, *args, **kwargs):
+    if remote is not None:
+        try:
+            remote.result()
+        except Exception:  # noqa: BLE001 - fn compiles it here and raises its error, see the class
+            pass
+    return fn(*args, **kwargs)
 
 
 def _forget(functions, failed: list) -> None:
