@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 _SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, signal, sys, time
     import torch, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -42,6 +42,15 @@ _SCRIPT = textwrap.dedent("""
     hits = []  # this process's compiles: a disk-cache hit where a forked worker compiled first
     knobs.compilation.listener = lambda *, cache_hit, **_: hits.append(cache_hit)
 
+    if os.environ.get("KILL_A_WORKER"):  # as the OOM killer would: the pool breaks, threads compile alone
+        start = precompile._ForkedCompiles.start
+        def start_then_kill(workers):
+            pool = start(workers)
+            os.kill(next(iter(pool.processes._processes)), signal.SIGKILL)
+            time.sleep(1)
+            return pool
+        precompile._ForkedCompiles.start = start_then_kill
+
     packed = [0]
     pack_args = JITFunction._pack_args
     def counting(self, *args, **kwargs):
@@ -61,8 +70,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, processes: str) -> dict:
+def _run(tmp_path, processes: str, **extra_env) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra_env)
     env.update(TRITON_CACHE_DIR=str(tmp_path / processes), TRANSFUSE_PRECOMPILE_PROCESSES=processes,
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     script = tmp_path / "dry_run.py"  # a file: Triton reads a kernel's source from it
@@ -83,4 +93,12 @@ def test_compile_only_compiles_each_variant_once_and_drops_failures(tmp_path, pr
     assert (stats["compiles"], stats["failed"]) == (4, 1), stats
     assert out["packed"] == 4, "a variant was packed again at a later launch of the dry run"
     assert out["hits"] == [processes == "1"] * 3, "the workers' binaries were not the ones loaded"
+    assert out["cached"] == ["CompiledKernel"] * 3 and all(out["binaries"]), out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked compiles are Linux's")
+def test_a_killed_worker_leaves_the_compiles_to_the_threads(tmp_path):
+    out = _run(tmp_path, "1", KILL_A_WORKER="1")
+    assert (out["stats"]["compiles"], out["stats"]["failed"]) == (4, 1), out["stats"]
+    assert out["hits"] == [False] * 3, "a broken pool's compiles should run in this process"
     assert out["cached"] == ["CompiledKernel"] * 3 and all(out["binaries"]), out

@@ -201,8 +201,12 @@ class _ForkedCompiles(Executor):
         return cls(workers, processes)
 
     def submit(self, fn, /, *args, **kwargs):
-        spec = _compile_spec(fn)
-        remote = self.processes.submit(_compile_in_worker, spec) if spec is not None else None
+        spec, remote = _compile_spec(fn), None
+        if spec is not None:
+            try:
+                remote = self.processes.submit(_compile_in_worker, spec)
+            except RuntimeError:  # a broken pool (a worker killed): the thread compiles it alone
+                remote = None
         return self.threads.submit(_load_after, remote, fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
