@@ -218,6 +218,12 @@ def test_reference_matches_modules(activation, module):
         torch.testing.assert_close(linear_ref(x, lin.weight, lin.bias, activation, residual), expected)
 
 
+@pytest.mark.parametrize("activation", ["tanh_mul", "none_mul", "gelu_new", "swish"])
+def test_reference_refuses_what_no_kernel_implements(activation):
+    with pytest.raises(ValueError, match="unknown activation"):
+        linear_ref(torch.randn(3, 8), torch.randn(8, 8), activation=activation)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 48, 300, 4096])
 @pytest.mark.parametrize("element_size", [2, 4])
