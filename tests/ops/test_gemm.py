@@ -292,3 +292,29 @@ def test_dispatch_reuses_cublas_between_measured_neighbours():
     finally:
         dispatch._CHOICES.clear()
         dispatch._CHOICES.update(saved)
+
+
+def test_dry_run_queues_each_distinct_launch_once(monkeypatch):
+    """In a precompile dry run the dispatcher queues a launch's candidate compiles the first time it
+    meets it; the same GEMM in a later layer (or bucket of the same rows) queues nothing again, while
+    other rows, another operand layout or misalignment, and a new dry run queue again."""
+    from transfuse.kernels._config import dry_run_launches
+
+    queued = []
+    monkeypatch.setattr(gemm_ops, "_queue_compiles", lambda key, x, *rest: queued.append((key, tuple(x.shape))))
+    key = GemmKey(16, 24, 32, "float16", "none", True, False)
+    weight, bias = torch.randn(24, 32), torch.randn(24)
+    x16, x8 = torch.randn(16, 32), torch.randn(8, 32)
+    wide = torch.randn(16, 64)
+    with dry_run_launches():
+        for _ in range(3):  # three layers
+            gemm_ops._queue_once(key, x16, weight, bias, "none", None)
+        gemm_ops._queue_once(key, x8, weight, bias, "none", None)  # other rows, same bucket key
+        gemm_ops._queue_once(key, wide[:, :32], weight, bias, "none", None)  # a strided view
+        gemm_ops._queue_once(key, torch.randn(16 * 32 + 1)[1:].view(16, 32), weight, bias, "none", None)  # misaligned
+    assert [shape for _, shape in queued] == [(16, 32), (8, 32), (16, 32), (16, 32)]
+    with dry_run_launches():
+        gemm_ops._queue_once(key, x16, weight, bias, "none", None)
+    assert len(queued) == 5, "a new dry run must queue again"
+    gemm_ops._queue_once(key, x16, weight, bias, "none", None)  # outside any dry run: never skipped
+    assert len(queued) == 6

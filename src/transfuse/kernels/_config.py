@@ -5,6 +5,7 @@ configs fails and bf16 arithmetic is wrong unless values are widened to fp32 aft
 kernel files ask here instead of reading the environment themselves.
 """
 
+import contextlib
 import contextvars
 import functools
 import os
@@ -27,6 +28,33 @@ COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("transfuse_c
 
 def compiling_only() -> bool:
     return COMPILE_ONLY.get()
+
+
+# The launches a dry run has queued, by the launcher's own key (first_in_dry_run); one set per dry run.
+_DRY_RUN_SEEN: contextvars.ContextVar[set | None] = contextvars.ContextVar("transfuse_dry_run_seen", default=None)
+
+
+@contextlib.contextmanager
+def dry_run_launches():
+    """Inside: first_in_dry_run remembers launches (runtime/precompile.py's compile_only opens one)."""
+    token = _DRY_RUN_SEEN.set(set())
+    try:
+        yield
+    finally:
+        _DRY_RUN_SEEN.reset(token)
+
+
+def first_in_dry_run(launch) -> bool:
+    """Whether a launcher meets `launch` (a hashable key of everything its compiles depend on) for the
+    first time in this dry run; always True outside one. A launcher whose key comes again can skip
+    queueing: the same compiles are queued already."""
+    seen = _DRY_RUN_SEEN.get()
+    if seen is None:
+        return True
+    if launch in seen:
+        return False
+    seen.add(launch)
+    return True
 
 
 def next_power_of_2(n: int) -> int:

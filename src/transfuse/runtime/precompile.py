@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from transfuse.kernels._config import COMPILE_ONLY
+from transfuse.kernels._config import COMPILE_ONLY, dry_run_launches
 
 ENV = "TRANSFUSE_PRECOMPILE"
 PROCESSES_ENV = "TRANSFUSE_PRECOMPILE_PROCESSES"
@@ -102,7 +102,7 @@ def compile_only(workers: int | None = None, processes: bool = True):
     start = time.perf_counter()
     threads = _ThreadCompiles(workers, processes=processes and _processes_enabled())
     try:
-        with threads:
+        with threads, dry_run_launches():
             token = COMPILE_ONLY.set(True)
             JITFunction.run, Autotuner.run, JITFunction._do_compile = run, tune, do_compile
             try:
