@@ -70,12 +70,14 @@ def main() -> None:
         model(**inputs)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
+        traces = [_traces()]
         profile = cProfile.Profile() if cli.profile else None
         start = time.perf_counter()
         with profile or contextlib.nullcontext():
             model(**second)
             torch.cuda.synchronize()
         second_s = time.perf_counter() - start
+        traces.append(_traces())
         if profile:
             third = {k: v[:, :32].repeat(2, 1).contiguous() for k, v in inputs.items()}  # 16x32: another bucket
             third_profile = cProfile.Profile()
@@ -84,6 +86,7 @@ def main() -> None:
                 model(**third)
                 torch.cuda.synchronize()
             third_s = time.perf_counter() - start
+            traces.append(_traces())
             with open(cli.profile, "w") as f:
                 for label, prof, seconds in (("second call", profile, second_s), ("third call", third_profile, third_s)):
                     f.write(f"==== {label}: {seconds:.3f} s\n")
@@ -102,6 +105,7 @@ def main() -> None:
     stats = next((r.precompiled for r in runners if getattr(r, "precompiled", None)), None) or {}
     print(json.dumps({
         "first_call_s": round(first, 3), "second_call_s": round(second_s, 3),
+        "dynamo_traces_after_each_call": traces,
         "precompile_s": round(hi - lo, 3), "dry_run_s": round(stats.get("dry_run_seconds", float("nan")), 3),
         "how": stats.get("how"), "compiles": len(inside), "loads": len(during) - len(inside),
         "load_seconds_summed": round(sum(e["total"] for e in during if e["cache_hit"]), 2), "compile_seconds_summed": round(busy, 2),
@@ -111,6 +115,13 @@ def main() -> None:
         "slowest": [dict(name=e["name"], total=round(e["total"], 2),
                          stages={k: round(v, 2) for k, v in e["stages"].items()}) for e in slowest],
     }, indent=1))
+
+
+def _traces() -> int:
+    """Dynamo traces so far (a later call that adds one recompiled: run with TORCH_LOGS=recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 if __name__ == "__main__":
