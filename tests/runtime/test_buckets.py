@@ -432,3 +432,41 @@ def test_bert_position_buffers_bound_the_buckets():
         assert rel_err(out[keep], ref[keep]) < 1e-5
     (runner,) = _runners(model)
     assert _buckets(runner, "input_ids") == {(2, 16), (4, 40)}
+
+
+class _Router(torch.nn.Module):
+    """A mixture-of-experts router, written the way Mixtral's is: top-k of the softmax, the kept
+    weights renormalised in place (`/=`: operator.itruediv), experts ordered by `sort()` with its
+    default (last) dimension. Every step stays within a token's own experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+
+    def forward(self, x, order_tokens: bool = False):
+        probs = self.gate(x).softmax(dim=-1)
+        top, index = probs.topk(2)
+        top /= top.sum(dim=-1, keepdim=True)
+        ordered, _ = index.sort() if not order_tokens else index.sort(dim=1)
+        return top * 2, ordered
+
+
+@pytest.mark.parametrize("order_tokens", [False, True])
+def test_a_router_pads_unless_it_sorts_across_tokens(order_tokens):
+    model = _Router().eval()
+    reference = _Router().eval()
+    reference.load_state_dict(model.state_dict())
+    transfuse.optimize(model)
+    for batch, seq in [(3, 5), (5, 7), (3, 6)]:
+        x = torch.randn(batch, seq, 8)
+        with torch.no_grad():
+            for ours, expected in zip(model(x, order_tokens), reference(x, order_tokens)):
+                assert torch.equal(ours, expected) if ours.dtype == torch.long else rel_err(ours, expected) < 1e-6
+    (runner,) = _runners(model)
+    text = transfuse.report(model)
+    if order_tokens:
+        assert "sort ('sort') reduces over a padded dimension" in text and "x.size(1)" in text
+        assert {seq for _, seq in _buckets(runner, "x")} == {5, 6, 7}  # the sequence runs at its exact size
+    else:
+        assert "BucketPadding" not in text, text
+        assert _buckets(runner, "x") == {(4, 8), (8, 8)}  # batch and sequence padded

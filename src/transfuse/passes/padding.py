@@ -37,7 +37,8 @@ _POINTWISE = {
     "logical_or", "bitwise_not", "bitwise_and", "bitwise_or", "to", "type", "type_as", "float",
     "half", "bfloat16", "int", "long", "bool", "double", "contiguous", "clone", "detach", "isnan",
     "isinf", "nan_to_num", "sin", "cos", "reciprocal", "square", "sign", "fill_", "zero_", "add_",
-    "mul_", "sub_", "div_", "dropout", "rsub", "iadd", "imul", "not_", "sgn", "log1p", "expm1",
+    "mul_", "sub_", "div_", "dropout", "rsub", "iadd", "imul", "isub", "itruediv", "ifloordiv", "imod", "ipow",
+    "iand", "ior", "ixor", "not_", "sgn", "log1p", "expm1",
 }
 _LAYOUT = {
     "view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "expand", "expand_as",
@@ -497,6 +498,8 @@ class _Analysis:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if name in ("topk", "kthvalue"):
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        elif name in ("sort", "argsort", "mode") and dim is None:
+            dim = -1  # their default: along the last dimension (a router's sort over its experts)
         if dim is None:
             self.refuse(self.all_syms(src), node, "reduces over every dimension, padded ones included")
             return
