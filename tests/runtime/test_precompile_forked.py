@@ -51,6 +51,15 @@ _SCRIPT = textwrap.dedent("""
             return pool
         precompile._ForkedCompiles.start = start_then_kill
 
+    if os.environ.get("STALL_BLOCK"):  # a worker that hangs on one variant (a lock held at the fork)
+        precompile.REMOTE_TIMEOUT_S = 3.0
+        compile_in_worker = precompile._compile_in_worker
+        def stalling(spec):
+            if int(os.environ["STALL_BLOCK"]) in spec[3].values():
+                time.sleep(60)
+            return compile_in_worker(spec)
+        precompile._compile_in_worker = stalling
+
     packed = [0]
     pack_args = JITFunction._pack_args
     def counting(self, *args, **kwargs):
@@ -59,13 +68,14 @@ _SCRIPT = textwrap.dedent("""
     JITFunction._pack_args = counting
 
     x, y = torch.randn(300), torch.empty(300)
+    started = time.perf_counter()
     with precompile.compile_only(workers=2) as stats:
         for _ in range(20):
             for block in (32, 64, 128):
                 scale_kernel[(1,)](x, y, 300, BLOCK=block)
         scale_kernel[(1,)](x, y, 300, BLOCK=48)  # not a power of two: tl.arange refuses it
     cache = scale_kernel.device_caches[0][0]
-    print(json.dumps({"stats": stats, "packed": packed[0], "hits": hits, "cached": sorted(type(k).__name__ for k in cache.values()),
+    print(json.dumps({"stats": stats, "packed": packed[0], "hits": hits, "seconds": time.perf_counter() - started, "cached": sorted(type(k).__name__ for k in cache.values()),
                       "binaries": [getattr(k, "asm", {}).get("cubin") is not None for k in cache.values()]}))
 """)
 
@@ -102,3 +112,12 @@ def test_a_killed_worker_leaves_the_compiles_to_the_threads(tmp_path):
     assert (out["stats"]["compiles"], out["stats"]["failed"]) == (4, 1), out["stats"]
     assert out["hits"] == [False] * 3, "a broken pool's compiles should run in this process"
     assert out["cached"] == ["CompiledKernel"] * 3 and all(out["binaries"]), out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked compiles are Linux's")
+def test_a_stuck_worker_is_given_up_on(tmp_path):
+    out = _run(tmp_path, "1", STALL_BLOCK="64")
+    assert (out["stats"]["compiles"], out["stats"]["failed"]) == (4, 1), out["stats"]
+    assert sorted(out["hits"]) == [False, True, True], "the stuck variant should compile here, the others load"
+    assert out["cached"] == ["CompiledKernel"] * 3 and all(out["binaries"]), out
+    assert out["seconds"] < 40, "the dry run waited for the stuck worker"

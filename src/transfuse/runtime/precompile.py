@@ -37,6 +37,9 @@ from transfuse.kernels._config import COMPILE_ONLY, dry_run_launches
 
 ENV = "TRANSFUSE_PRECOMPILE"
 PROCESSES_ENV = "TRANSFUSE_PRECOMPILE_PROCESSES"
+# A forked worker's compile (its wait in the queue included) given up on after this long, and done in
+# this process instead: a worker can only hang on a lock that another thread held when it was forked.
+REMOTE_TIMEOUT_S = 300.0
 # A dry run allocates every intermediate of a forward at the bucket's size: buckets above this many
 # rows of the first dynamic input (e.g. batch x seq tokens) are not dry-run, unless the call that
 # triggers the precompile is itself that large. Above a few thousand rows the GEMMs are cuBLAS's and
@@ -182,6 +185,7 @@ class _ForkedCompiles(Executor):
     def __init__(self, workers: int, processes: ProcessPoolExecutor):
         self.processes = processes
         self.threads = ThreadPoolExecutor(workers, thread_name_prefix="transfuse-compile")
+        self.stalled = False  # a worker's compile outlived REMOTE_TIMEOUT_S
 
     @classmethod
     def start(cls, workers: int) -> "_ForkedCompiles | None":
@@ -197,6 +201,8 @@ class _ForkedCompiles(Executor):
                 for ready in [processes.submit(os.getpid) for _ in range(workers)]:
                     ready.result(timeout=60)
         except Exception:  # noqa: BLE001 - threads alone compile everything, only slower
+            if "processes" in locals():
+                _terminate(processes)
             return None
         return cls(workers, processes)
 
@@ -207,11 +213,30 @@ class _ForkedCompiles(Executor):
                 remote = self.processes.submit(_compile_in_worker, spec)
             except RuntimeError:  # a broken pool (a worker killed): the thread compiles it alone
                 remote = None
-        return self.threads.submit(_load_after, remote, fn, *args, **kwargs)
+        return self.threads.submit(self._load_after, remote, fn, *args, **kwargs)
+
+    def _load_after(self, remote, fn, *args, **kwargs):
+        if remote is not None:
+            try:
+                remote.result(timeout=REMOTE_TIMEOUT_S)
+            except TimeoutError:  # a worker stuck (a lock some thread held at the fork): compile here
+                self.stalled = True
+            except Exception:  # noqa: BLE001 - fn compiles it here and raises its error, see the class
+                pass
+        return fn(*args, **kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.threads.shutdown(wait, cancel_futures=cancel_futures)
-        self.processes.shutdown(wait, cancel_futures=cancel_futures)
+        if self.stalled:  # waiting would wait for the stuck worker
+            _terminate(self.processes)
+        else:
+            self.processes.shutdown(wait, cancel_futures=cancel_futures)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public way before 3.14
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _compile_spec(fn) -> tuple | None:
@@ -242,15 +267,6 @@ def _compile_in_worker(spec: tuple) -> None:
         kernel = kernel.fn
     triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options,
                    _env_vars=env_vars)
-
-
-def _load_after(remote, fn, *args, **kwargs):
-    if remote is not None:
-        try:
-            remote.result()
-        except Exception:  # noqa: BLE001 - fn compiles it here and raises its error, see the class
-            pass
-    return fn(*args, **kwargs)
 
 
 def _forget(functions, failed: list) -> None:
