@@ -318,3 +318,16 @@ def test_dry_run_queues_each_distinct_launch_once(monkeypatch):
     assert len(queued) == 5, "a new dry run must queue again"
     gemm_ops._queue_once(key, x16, weight, bias, "none", None)  # outside any dry run: never skipped
     assert len(queued) == 6
+
+
+def test_a_lone_candidate_is_not_timed(monkeypatch):
+    """Above TRITON_MAX_ROWS with an epilogue cuBLASLt cannot fuse, cuBLAS is the only candidate:
+    it is chosen without timing (each timing costs GPU sleeps and synchronisations while a new
+    bucket's capture waits)."""
+    monkeypatch.delenv(gemm_ops.MEASURE_ALL_ENV, raising=False)
+    monkeypatch.setattr(gemm_ops, "cublaslt_epilogue_applies", lambda *a: False)
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", lambda c, d: pytest.fail(f"timed {sorted(c)}"))
+    x, w, b, _, r = _cases()[1]
+    key = GemmKey(2 * gemm_ops.TRITON_MAX_ROWS, 24, 40, "float32", "gelu", True, True)
+    choice = gemm_ops._measure(key, x, w, b, "gelu", r)
+    assert (choice.backend, choice.measured) == ("torch", True)

@@ -321,6 +321,9 @@ def _measure(key: GemmKey, x, weight, bias, activation, residual) -> GemmChoice:
             note = f"{name} failed: {type(e).__name__}: {e}"
             warnings.warn(f"transfuse.linear {key}: {note}; using torch", stacklevel=3)
             del candidates[name]
+    if len(candidates) == 1:  # nothing to choose between (cuBLAS alone above TRITON_MAX_ROWS): no timing
+        (only,) = candidates
+        return GemmChoice(only, measured=True, note=note or "the only candidate")
     times = _gpu_times_ms(candidates, x.device)
 
     best_torch = min((n for n in times if not _ours(n)), key=times.get)
