@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transfuse.kernels.gemm import GATED_ACTIVATIONS
+
 # The element-wise activations of ACTIVATIONS (kernels.gemm), out of place: the reference the kernels
 # are tested against, the functions the linear pass recognises an activation by, and cuBLAS's gates.
 ACTIVATION_FUNCTIONS = {
@@ -50,8 +52,6 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """The epilogue's activation on h, in h's dtype; a gated "<act>_mul" halves h's last dim. Only the
     activations the kernels implement (kernels.gemm.ACTIVATIONS): an oracle that accepted more would
     let a test pass for an epilogue no kernel has."""
-    from transfuse.kernels.gemm import GATED_ACTIVATIONS
-
     if activation in GATED_ACTIVATIONS:
         gate, up = h.chunk(2, dim=-1)
         return ACTIVATION_FUNCTIONS[activation[:-4]](gate) * up
