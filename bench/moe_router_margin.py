@@ -11,6 +11,10 @@ decoder position and the decoder's routers are shown. A routed expert whose prob
 next one (bf16: 2^-8 relative) may be swapped by any change of rounding upstream: the token then
 takes another expert, and its logits move far while every other token stays within the dtype's noise.
 
+bench/bisect_family_error.py is the other half: it turns transfuse's passes off one at a time (which
+rewrite's rounding moves the token) and lists the smallest router margins over all tokens; this script
+looks at the worst token itself, and at generate().
+
 --generate BATCH repeats the sweep's greedy generate check (its seed-1 prompts, 8 new tokens) and, at
 the first step where transfuse's token differs from eager's, prints how far each step's logits were
 apart and the routers' probabilities at the token that step read (fp32 model, eager's prefix).
