@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from triton import knobs
 
-from transfuse.bench import dynamic
+from transfuse.bench import dynamic, timing
 from transfuse.runtime import buckets, precompile
 
 EVENTS: list[dict] = []
@@ -66,27 +66,16 @@ def main() -> None:
     model, inputs = dynamic.first_call_model(run_args, torch.device("cuda"))
     second = {k: v[:4, :64].contiguous() for k, v in inputs.items()}
     with torch.inference_mode():
-        start = time.perf_counter()
-        model(**inputs)
-        torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        traces = [_traces()]
+        first, _ = timing.time_first_call(model, inputs, cuda=True)
+        traces = [dynamic._dynamo_frames()]
         profile = cProfile.Profile() if cli.profile else None
-        start = time.perf_counter()
-        with profile or contextlib.nullcontext():
-            model(**second)
-            torch.cuda.synchronize()
-        second_s = time.perf_counter() - start
-        traces.append(_traces())
+        second_s = _call(model, second, profile)
+        traces.append(dynamic._dynamo_frames())
         if profile:
             third = {k: v[:, :32].repeat(2, 1).contiguous() for k, v in inputs.items()}  # 16x32: another bucket
             third_profile = cProfile.Profile()
-            start = time.perf_counter()
-            with third_profile:
-                model(**third)
-                torch.cuda.synchronize()
-            third_s = time.perf_counter() - start
-            traces.append(_traces())
+            third_s = _call(model, third, third_profile)
+            traces.append(dynamic._dynamo_frames())
             with open(cli.profile, "w") as f:
                 for label, prof, seconds in (("second call", profile, second_s), ("third call", third_profile, third_s)):
                     f.write(f"==== {label}: {seconds:.3f} s\n")
@@ -117,11 +106,11 @@ def main() -> None:
     }, indent=1))
 
 
-def _traces() -> int:
-    """Dynamo traces so far (a later call that adds one recompiled: run with TORCH_LOGS=recompiles)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+def _call(model, inputs: dict, profile: cProfile.Profile | None) -> float:
+    """Seconds of one call (timing.time_first_call), under `profile` when given."""
+    with profile or contextlib.nullcontext():
+        seconds, _ = timing.time_first_call(model, inputs, cuda=True)
+    return seconds
 
 
 if __name__ == "__main__":

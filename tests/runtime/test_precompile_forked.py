@@ -3,10 +3,11 @@
 generator, MLIR, LLVM, ptxas) and never launch. In a subprocess: the suite runs with TRITON_INTERPRET=1,
 which Triton reads when a kernel is defined.
 
-Checks that compiles run in forked processes and come back as kernels loaded from Triton's disk cache, that a variant launched
-again within the dry run is not packed and hashed again (Triton 3.6 re-packed it at every launch),
-that a kernel which fails to compile is counted and dropped from the kernel cache, and that
-TRANSFUSE_PRECOMPILE_PROCESSES=0 keeps the compiles in threads."""
+Checks that compiles run in forked processes and come back as kernels loaded from Triton's disk
+cache, that a variant launched again within the dry run is not packed and hashed again (Triton 3.6
+re-packed it at every launch), that a kernel which fails to compile is counted and dropped from the
+kernel cache, that TRANSFUSE_PRECOMPILE_PROCESSES=0 keeps the compiles in threads, and that a killed
+or a stuck worker leaves its compiles to this process."""
 
 import json
 import os
@@ -75,7 +76,8 @@ _SCRIPT = textwrap.dedent("""
                 scale_kernel[(1,)](x, y, 300, BLOCK=block)
         scale_kernel[(1,)](x, y, 300, BLOCK=48)  # not a power of two: tl.arange refuses it
     cache = scale_kernel.device_caches[0][0]
-    print(json.dumps({"stats": stats, "packed": packed[0], "hits": hits, "seconds": time.perf_counter() - started, "cached": sorted(type(k).__name__ for k in cache.values()),
+    print(json.dumps({"stats": stats, "packed": packed[0], "hits": hits, "seconds": time.perf_counter() - started,
+                      "cached": sorted(type(k).__name__ for k in cache.values()),
                       "binaries": [getattr(k, "asm", {}).get("cubin") is not None for k in cache.values()]}))
 """)
 

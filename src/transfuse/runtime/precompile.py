@@ -194,15 +194,14 @@ class _ForkedCompiles(Executor):
         the platform does not fork or the fork fails."""
         if "fork" not in multiprocessing.get_all_start_methods():
             return None
+        processes = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
-                processes = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
                 for ready in [processes.submit(os.getpid) for _ in range(workers)]:
                     ready.result(timeout=60)
         except Exception:  # noqa: BLE001 - threads alone compile everything, only slower
-            if "processes" in locals():
-                _terminate(processes)
+            _terminate(processes)
             return None
         return cls(workers, processes)
 
