@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from transfuse import ops  # noqa: F401  (registers torch.ops.transfuse.*)
+from transfuse import tracing_sdpa
 from transfuse.kernels._config import INTERPRET
 from transfuse.ops.cross_entropy import attach_returned_logits
 from transfuse.passes.graph import static_inputs, written_inputs
@@ -84,6 +85,7 @@ class Backend:
         self.merged.clear()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        tracing_sdpa.restore()  # the user's SDPA flags for the passes and the graph (tracing_sdpa.py)
         if _host_graph(gm, example_inputs):
             return self._as_traced(gm, "every input is on the CPU and none is a parameter: host-side bookkeeping "
                                        "between the model's GPU graphs; it runs as traced")

@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from transfuse import branchless as _branchless
+from transfuse import tracing_sdpa
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.guards import ModuleWatch, module_guard_filter
 from transfuse.report import format_report
@@ -187,6 +188,7 @@ def optimize(
     if buckets not in (None, False):
         BucketPolicy(buckets)  # validates now, with a clear message
     _check_disable(disable)
+    tracing_sdpa.install()
     # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
     # many shapes never drops to eager silently.
     for name in ("recompile_limit", "cache_size_limit"):
@@ -220,11 +222,13 @@ def optimize(
             if watch is not None:
                 watch.in_call = True  # registrations the forward itself makes are Dynamo's to see
             try:
-                return state.compiled(*args, **kwargs)
+                with tracing_sdpa.inside_forward():
+                    return state.compiled(*args, **kwargs)
             except StaleGraph:
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
                 state.compile()
-                return state.compiled(*args, **kwargs)
+                with tracing_sdpa.inside_forward():
+                    return state.compiled(*args, **kwargs)
             except Exception as exc:
                 if not module_guards and _guard_filter_failure(exc):
                     raise TransfuseError(

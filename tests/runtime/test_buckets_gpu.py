@@ -49,9 +49,9 @@ def test_random_shapes_with_graphs(models):
         assert out.shape == (batch, seq, 768)
         assert err <= 2 * torch_err + 1e-4, f"{batch}x{seq}: {err:.2e} vs torch {torch_err:.2e}"
     state = opt._transfuse_state
-    # One symbolic trace for batches of 2 and more; on CUDA, torch's own SDPA shape checks guard on
-    # batch != 1 while Dynamo traces, so the batch-1 calls at the end add exactly one more.
-    assert sum(len(b.records) for b in state.backends) == 2
+    # One symbolic trace for every shape, the batch-1 calls at the end included (on CUDA, torch's
+    # SDPA kernel choice would guard on batch != 1 if it ran while Dynamo traces: tracing_sdpa.py)
+    assert sum(len(b.records) for b in state.backends) == 1
     used = sum(len(r.stats) for b in state.backends for r in b.runners)
     assert state.backend.pool.graphs_captured == used  # each bucket captured once
 

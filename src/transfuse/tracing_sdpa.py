@@ -1,0 +1,70 @@
+"""Only torch's math SDPA is enabled while Dynamo traces a transfuse forward.
+
+Dynamo runs each `F.scaled_dot_product_attention` on fake tensors to learn its output's shape. On
+CUDA that call first picks a kernel (cuDNN, flash, memory-efficient), and the tests it makes on
+the sizes (a batch of one, a key length that is a multiple of 16, ...) become guards on the
+symbolic batch and sequence sizes: a later call that answers one of them differently traces the
+model again, although transfuse replaces the attention and never runs the kernel chosen. With only
+the math backend enabled the choice makes no test. The user's flags are restored as soon as the
+trace reaches transfuse's backend, so that the passes, and any SDPA transfuse leaves in the graph,
+see the user's choice; nothing changes for other torch.compile users in the process (the switch
+is made only inside a transfuse forward, on its own thread). TRANSFUSE_TRACE_SDPA=as-is turns it off.
+"""
+
+import os
+import threading
+
+import torch
+
+ENV = "TRANSFUSE_TRACE_SDPA"
+_FLAGS = ("flash_sdp", "mem_efficient_sdp", "cudnn_sdp", "math_sdp")
+_local = threading.local()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "math") != "as-is"
+
+
+class inside_forward:
+    """Marks a transfuse forward on this thread: a Dynamo compile that starts inside traces with math SDPA."""
+
+    def __enter__(self):
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _local.depth -= 1
+        restore()
+
+
+def _flags() -> dict[str, bool]:
+    return {name: getattr(torch.backends.cuda, f"{name}_enabled")() for name in _FLAGS
+            if hasattr(torch.backends.cuda, f"{name}_enabled")}
+
+
+def _set(flags: dict[str, bool]) -> None:
+    for name, on in flags.items():
+        getattr(torch.backends.cuda, f"enable_{name}")(on)
+
+
+def _on_compile_start(*_args) -> None:
+    if getattr(_local, "depth", 0) > 0 and getattr(_local, "saved", None) is None and enabled():
+        _local.saved = _flags()
+        _set({name: name == "math_sdp" for name in _local.saved})
+
+
+def restore(*_args) -> None:
+    """The user's SDPA flags back (transfuse's backend calls it first; Dynamo's compile end does too)."""
+    saved = getattr(_local, "saved", None)
+    if saved is not None:
+        _local.saved = None
+        _set(saved)
+
+
+def install() -> None:
+    """Registers the callbacks once per process."""
+    if getattr(install, "done", False):
+        return
+    handler = torch._dynamo.callback.callback_handler
+    handler.register_start_callback(_on_compile_start)
+    handler.register_end_callback(restore)
+    install.done = True

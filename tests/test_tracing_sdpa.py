@@ -1,0 +1,76 @@
+"""Only math SDPA is enabled while Dynamo traces a transfuse forward; the user's flags everywhere else."""
+
+import torch
+
+import transfuse
+from transfuse import tracing_sdpa
+from tests.helpers import rewrite_counts, tiny_bert_twins
+
+
+def _user_flags():
+    return tracing_sdpa._flags()
+
+
+def test_start_callback_switches_to_math_only_inside_a_transfuse_forward():
+    tracing_sdpa.install()
+    before = _user_flags()
+    assert any(on for name, on in before.items() if name != "math_sdp")  # the test means something
+    tracing_sdpa._on_compile_start()  # outside a transfuse forward: nothing changes
+    assert _user_flags() == before
+    with tracing_sdpa.inside_forward():
+        tracing_sdpa._on_compile_start()
+        assert _user_flags() == {name: name == "math_sdp" for name in before}
+        tracing_sdpa.restore()  # the backend's first step
+        assert _user_flags() == before
+        tracing_sdpa._on_compile_start()
+    assert _user_flags() == before  # leaving the forward restores, even with no backend call
+
+
+def test_optimized_model_traces_with_math_only_and_keeps_the_users_flags(monkeypatch):
+    monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    model, eager, ids = tiny_bert_twins()
+    torch.backends.cuda.enable_flash_sdp(False)  # a user's choice, kept through the trace
+    try:
+        user = _user_flags()
+        at_start, at_backend = [], []
+        original_call = transfuse.backend.Backend.__call__
+
+        def backend_call(self, gm, example_inputs):
+            result = original_call(self, gm, example_inputs)
+            at_backend.append(_user_flags())
+            return result
+
+        monkeypatch.setattr(transfuse.backend.Backend, "__call__", backend_call)
+        transfuse.optimize(model)
+        handler = torch._dynamo.callback.callback_handler
+        record = lambda *_: at_start.append(_user_flags())  # noqa: E731 - runs after tracing_sdpa's
+        handler.register_start_callback(record)
+        try:
+            with torch.no_grad():
+                out = model(ids).last_hidden_state
+                ref = eager(ids).last_hidden_state
+        finally:
+            handler.remove_start_callback(record)
+        assert at_start == [{name: name == "math_sdp" for name in user}]
+        assert at_backend == [user]
+        assert _user_flags() == user
+        assert rewrite_counts(model)["TorchSDPA"] > 0
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
+def test_as_is_leaves_the_flags_alone_during_the_trace(monkeypatch):
+    monkeypatch.setenv(tracing_sdpa.ENV, "as-is")
+    model, _, ids = tiny_bert_twins()
+    transfuse.optimize(model)
+    seen = []
+    handler = torch._dynamo.callback.callback_handler
+    record = lambda *_: seen.append(_user_flags())  # noqa: E731
+    handler.register_start_callback(record)
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handler.remove_start_callback(record)
+    assert seen and all(flags == _user_flags() for flags in seen)
