@@ -1,5 +1,6 @@
 """Only math SDPA is enabled while Dynamo traces a transfuse forward; the user's flags everywhere else."""
 
+import pytest
 import torch
 
 import transfuse
@@ -11,7 +12,8 @@ def _user_flags():
     return tracing_sdpa._flags()
 
 
-def test_start_callback_switches_to_math_only_inside_a_transfuse_forward():
+def test_start_callback_switches_to_math_only_inside_a_transfuse_forward(monkeypatch):
+    monkeypatch.setenv(tracing_sdpa.ENV, "math")
     tracing_sdpa.install()
     before = _user_flags()
     assert any(on for name, on in before.items() if name != "math_sdp")  # the test means something
@@ -27,7 +29,7 @@ def test_start_callback_switches_to_math_only_inside_a_transfuse_forward():
 
 
 def test_optimized_model_traces_with_math_only_and_keeps_the_users_flags(monkeypatch):
-    monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    monkeypatch.setenv(tracing_sdpa.ENV, "math")
     model, eager, ids = tiny_bert_twins()
     torch.backends.cuda.enable_flash_sdp(False)  # a user's choice, kept through the trace
     try:
@@ -42,6 +44,8 @@ def test_optimized_model_traces_with_math_only_and_keeps_the_users_flags(monkeyp
 
         monkeypatch.setattr(transfuse.backend.Backend, "__call__", backend_call)
         transfuse.optimize(model)
+        torch._dynamo.reset()  # a clean list of compile callbacks, ours first (record reads what ours set)
+        tracing_sdpa.install()
         handler = torch._dynamo.callback.callback_handler
         record = lambda *_: at_start.append(_user_flags())  # noqa: E731 - runs after tracing_sdpa's
         handler.register_start_callback(record)
@@ -74,3 +78,28 @@ def test_as_is_leaves_the_flags_alone_during_the_trace(monkeypatch):
     finally:
         handler.remove_start_callback(record)
     assert seen and all(flags == _user_flags() for flags in seen)
+
+
+def test_callbacks_come_back_after_dynamo_reset():
+    model, _, ids = tiny_bert_twins()
+    transfuse.optimize(model)
+    torch._dynamo.reset()  # clears every compile callback
+    handler = torch._dynamo.callback.callback_handler
+    assert tracing_sdpa._on_compile_start not in handler.start_callbacks
+    with torch.no_grad():
+        model(ids)
+    assert tracing_sdpa._on_compile_start in handler.start_callbacks
+    assert tracing_sdpa.restore in handler.end_callbacks
+
+
+def test_auto_means_machines_with_cuda(monkeypatch):
+    monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not tracing_sdpa.enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tracing_sdpa.enabled()
+    monkeypatch.setenv(tracing_sdpa.ENV, "as-is")
+    assert not tracing_sdpa.enabled()
+    monkeypatch.setenv(tracing_sdpa.ENV, "mathh")
+    with pytest.raises(ValueError, match="TRANSFUSE_TRACE_SDPA='mathh'"):
+        tracing_sdpa.enabled()

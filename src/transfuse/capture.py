@@ -188,7 +188,7 @@ def optimize(
     if buckets not in (None, False):
         BucketPolicy(buckets)  # validates now, with a clear message
     _check_disable(disable)
-    tracing_sdpa.install()
+    tracing_sdpa.enabled()  # a bad TRANSFUSE_TRACE_SDPA fails here, naming its values
     # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
     # many shapes never drops to eager silently.
     for name in ("recompile_limit", "cache_size_limit"):
