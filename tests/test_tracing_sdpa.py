@@ -92,12 +92,15 @@ def test_callbacks_come_back_after_dynamo_reset():
     assert tracing_sdpa.restore in handler.end_callbacks
 
 
-def test_auto_means_machines_with_cuda(monkeypatch):
+def test_auto_means_cuda_under_a_torch_whose_choice_guards(monkeypatch):
     monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    monkeypatch.setattr(tracing_sdpa, "CHOICE_GUARDS_BATCH", True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not tracing_sdpa.enabled()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert tracing_sdpa.enabled()
+    monkeypatch.setattr(tracing_sdpa, "CHOICE_GUARDS_BATCH", False)
+    assert not tracing_sdpa.enabled()
     monkeypatch.setenv(tracing_sdpa.ENV, "as-is")
     assert not tracing_sdpa.enabled()
     monkeypatch.setenv(tracing_sdpa.ENV, "mathh")

@@ -10,11 +10,14 @@ trace reaches transfuse's backend, so that the passes, and any SDPA transfuse le
 see the user's choice; nothing changes for other torch.compile users in the process (the switch
 is made only inside a transfuse forward, on its own thread).
 
-The math path costs the trace more fake-tensor work: bert-base's Dynamo compile 2.4 -> 3.0 s on the
-development CPU, get_fake_value +0.65-1.05 s on the H200 (2026-11-29), against a whole second trace
-(4-5 s there) when a batch of one comes. On the CPU torch's choice made no such guard in our runs,
-so TRANSFUSE_TRACE_SDPA=auto (the default) switches only on a machine with CUDA; =math always,
-=as-is never.
+The test that guards is the mask's: `mask.size(0) == 1 || mask.size(0) == batch`
+(check_attn_mask_shape, aten/src/ATen/native/transformers/sdp_utils_cpp.h), which evaluates the
+symbolic batch against 1 first. Torch 2.13 rewrote it to compare symbolically and never guard
+(its shipped header), so the switch is only needed before 2.13. It has a price: the math path
+gives the trace more fake-tensor work (bert-base's Dynamo compile 2.4 -> 3.0 s on the development
+CPU; get_fake_value +0.65-1.05 s on the H200, 2026-11-29) against a whole second trace (4-5 s there)
+when the first batch of one comes. TRANSFUSE_TRACE_SDPA=auto (the default) switches on a machine
+with CUDA under torch < 2.13; =math always; =as-is never.
 """
 
 import os
@@ -23,6 +26,8 @@ import threading
 import torch
 
 ENV = "TRANSFUSE_TRACE_SDPA"
+# torch before 2.13 guards on the batch in check_attn_mask_shape (see above)
+CHOICE_GUARDS_BATCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 _FLAGS = ("flash_sdp", "mem_efficient_sdp", "cudnn_sdp", "math_sdp")
 _local = threading.local()
 
@@ -30,8 +35,8 @@ _local = threading.local()
 def enabled() -> bool:
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "math", "as-is"):
-        raise ValueError(f"{ENV}={mode!r}: use auto (math on a machine with CUDA), math or as-is")
-    return mode == "math" or (mode == "auto" and torch.cuda.is_available())
+        raise ValueError(f"{ENV}={mode!r}: use auto (math with CUDA under torch < 2.13), math or as-is")
+    return mode == "math" or (mode == "auto" and CHOICE_GUARDS_BATCH and torch.cuda.is_available())
 
 
 class inside_forward:
