@@ -2,10 +2,10 @@
 
 Dynamo runs each `F.scaled_dot_product_attention` on fake tensors to learn its output's shape. On
 CUDA that call first picks a kernel (cuDNN, flash, memory-efficient), and the tests it makes on
-the sizes (a batch of one, a key length that is a multiple of 16, ...) become guards on the
-symbolic batch and sequence sizes: a later call that answers one of them differently traces the
-model again, although transfuse replaces the attention and never runs the kernel chosen. With only
-the math backend enabled the choice makes no test. The user's flags are restored as soon as the
+the sizes become guards on the symbolic sizes: bert-base traced again for its first batch of one,
+on `input_ids.size()[0] != 1` (H200, torch 2.11, bench/recompile_probe.py), although transfuse
+replaces the attention and never runs the kernel chosen. With only the math backend enabled the
+choice makes no test. The user's flags are restored as soon as the
 trace reaches transfuse's backend, so that the passes, and any SDPA transfuse leaves in the graph,
 see the user's choice; nothing changes for other torch.compile users in the process (the switch
 is made only inside a transfuse forward, on its own thread).
