@@ -8,7 +8,8 @@ replaces the attention and never runs the kernel chosen. With only the math back
 choice makes no test. The user's flags are restored as soon as the
 trace reaches transfuse's backend, so that the passes, and any SDPA transfuse leaves in the graph,
 see the user's choice; nothing changes for other torch.compile users in the process (the switch
-is made only inside a transfuse forward, on its own thread).
+is made only inside a transfuse forward, on its own thread). Through `torch.compile(model,
+backend="transfuse")` Dynamo traces before transfuse is called: there the choice runs as it is.
 
 The test that guards is the mask's: `mask.size(0) == 1 || mask.size(0) == batch`
 (check_attn_mask_shape, aten/src/ATen/native/transformers/sdp_utils_cpp.h), which evaluates the
