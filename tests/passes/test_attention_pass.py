@@ -31,7 +31,7 @@ class HandWritten(torch.nn.Module):
             att = att.masked_fill(self.tril[:, :, :t, :t] == 0, float("-inf"))
             att = F.softmax(att, dim=-1)
             y = att @ v
-        elif v_ == "hf_eager":  # HF eager_attention_forward: fp32 softmax, cast back, additive mask
+        elif v_ in ("hf_eager", "hf_eager_bool_added"):  # HF eager_attention_forward: fp32 softmax, additive mask
             att = torch.matmul(q, k.transpose(2, 3)) * self.dim**-0.5
             att = att + mask
             att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -82,6 +82,8 @@ CASES = {
     "sdpa_causal": (None, "TorchSDPA", 1),
     "fill_zero": (lambda b, t: torch.rand(b, 1, t, t) > 0.5, "ManualAttention", 0),
     "softmax_dim2": (None, "ManualAttention", 0),
+    # a boolean mask added to the scores is a bias of 0 / 1 in eager, not an exclusion: left alone
+    "hf_eager_bool_added": (lambda b, t: torch.rand(b, 1, t, t) > 0.3, "ManualAttention", 0),
 }
 
 
@@ -98,6 +100,8 @@ def test_attention_variants(variant):
     assert rewrites.get(pattern, 0) == matches
     if matches == 0 and variant == "fill_zero":
         assert any("masked_fill" in r.reason for r in rejections)
+    if variant == "hf_eager_bool_added":
+        assert any("boolean tensor added" in r.reason for r in rejections)
     assert rel_err(out, ref) < 1e-5
 
 

@@ -343,6 +343,10 @@ def _match_manual(softmax: fx.Node) -> dict:
                 x, term = b, a
             else:
                 raise Reject(f"'{x.name}': neither addend leads to q @ k^T")
+            if getattr(tensor_meta(term), "dtype", None) == torch.bool:
+                # `scores + bool_mask` promotes the mask to 0 / 1: a bias of one, not an exclusion
+                # (the op reads a boolean mask as SDPA does, as "attend here")
+                raise Reject("a boolean tensor added to the scores (eager adds it as 0 / 1, not as a mask)")
             masks.append(term)
         elif k == "masked_fill":
             fill = scalar(arg(x, 2, "value"))
