@@ -20,6 +20,7 @@ from transfuse.report import format_report
 from transfuse.runtime import encoder as _encoder
 from transfuse.runtime import generation as _generation
 from transfuse.runtime import output_hooks
+from transfuse.runtime.call_lock import CallLock
 from transfuse.runtime.buckets import BucketPolicy
 from transfuse.runtime.warmup import run_warmup
 
@@ -57,6 +58,7 @@ class _State:
         self.untraceable: collections.Counter = collections.Counter()  # Dynamo's trace error -> calls run as written
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
         self.branchless = None  # forwards whose data-dependent guards were made branchless (branchless.py)
+        self.lock = CallLock()  # the forward's and generate()'s calls, one at a time
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -208,6 +210,10 @@ def optimize(
     def forward(*args, **kwargs):
         if state.eager_reason is not None:
             return original(*args, **kwargs)
+        with state.lock:  # one call at a time: the graphs' buffers are the model's (runtime/call_lock.py)
+            return locked_forward(*args, **kwargs)
+
+    def locked_forward(*args, **kwargs):
         if dynamic:
             _mark_dynamic(args, kwargs)
         if kwargs:

@@ -282,9 +282,10 @@ def install(model: torch.nn.Module, state) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if _user_named_no_cache(model, args, kwargs) and (model.config.is_encoder_decoder or reuse.probe() is None):
-            kwargs["cache_implementation"] = STATIC
-        return original(*args, **kwargs)
+        with state.lock:  # the static cache and the decode loop's buffers are the model's (runtime/call_lock.py)
+            if _user_named_no_cache(model, args, kwargs) and (model.config.is_encoder_decoder or reuse.probe() is None):
+                kwargs["cache_implementation"] = STATIC
+            return original(*args, **kwargs)
 
     state.static_cache = reuse
     state.generate = generate

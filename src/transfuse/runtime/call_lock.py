@@ -1,0 +1,43 @@
+"""One call at a time per optimized model, whatever thread or CUDA stream it comes from.
+
+An optimized model owns state that every call writes: the CUDA graphs' static input buffers (a
+replay reads what the last copy-in wrote), the graphs' one memory pool (two graphs replaying at once
+would share their intermediates), generate()'s static KV cache and decode-loop buffers. Two threads
+calling one model at the same time would interleave those writes and read each other's inputs, a
+wrong answer and no error, where eager PyTorch (and torch.compile's per-thread CUDA graph trees) are
+safe. So the model's forward and generate() hold one re-entrant lock per model for the whole call:
+threads take turns, each gets its own result.
+
+A lock orders the calls on the host only. A caller on another CUDA stream than the previous call's
+would start writing the static buffers while the previous replay may still be reading them on the
+GPU: its stream first waits for the previous call's stream (one event, only when the stream changes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class CallLock:
+    """`with lock:` around a model's call; re-entrant (generate() calls the forward)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._stream: torch.cuda.Stream | None = None  # the stream of the latest outermost call
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._depth += 1
+        if self._depth == 1 and torch.cuda.is_initialized():
+            current = torch.cuda.current_stream()  # one lookup a call (~1 us): the call's own stream
+            if self._stream is not None and current != self._stream:
+                current.wait_stream(self._stream)
+            self._stream = current
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        self._lock.release()

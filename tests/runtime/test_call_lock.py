@@ -1,0 +1,73 @@
+"""Calls of one optimized model from several threads take turns and each gets its own answer."""
+
+import threading
+import time
+
+import torch
+import transformers
+
+import transfuse
+from tests.helpers import tiny_bert_twins
+
+
+def _in_threads(fn, count: int) -> list:
+    results = [None] * count
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
+def test_forward_calls_from_threads_take_turns():
+    model, eager, _ = tiny_bert_twins()
+    transfuse.optimize(model)
+    inputs = [torch.randint(3, 97, (b, s)) for b, s in ((2, 7), (3, 5), (1, 9), (2, 7))]
+    with torch.no_grad():
+        model(inputs[0])  # traced once, outside the threads
+        state = model._transfuse_state
+        compiled, spans = state.compiled, []
+
+        def slow(*args, **kwargs):
+            start = time.perf_counter()
+            time.sleep(0.05)  # long enough for another thread to come in
+            out = compiled(*args, **kwargs)
+            spans.append((start, time.perf_counter()))
+            return out
+
+        state.compiled = slow
+        outs = _in_threads(lambda i: model(inputs[i]).last_hidden_state, len(inputs))
+        refs = [eager(x).last_hidden_state for x in inputs]
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # never two at once
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_from_threads_gives_each_its_own_tokens():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=97, max_position_embeddings=64)
+    eager = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(eager.state_dict())
+    transfuse.optimize(model)
+    assert model._transfuse_state.static_cache is not None  # the shared cache the lock protects
+    prompts = [torch.randint(3, 97, (b, s)) for b, s in ((1, 5), (2, 7), (1, 9))]
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(prompts[0], **kwargs)  # traced outside the threads
+        outs = _in_threads(lambda i: model.generate(prompts[i], **kwargs), len(prompts))
+        refs = [eager.generate(p, **kwargs) for p in prompts]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
