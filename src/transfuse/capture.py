@@ -7,6 +7,7 @@ import copy
 import logging
 import re
 import traceback
+import types
 import weakref
 
 import torch
@@ -41,6 +42,7 @@ class _State:
         self.backend = backend
         self.backends = [backend]
         self.original_forward = original_forward
+        self.traced_forward = _own_code(original_forward)  # what Dynamo compiles (see _own_code)
         self.compiled = compiled_forward
         self.forward = None
         self.graph_breaks_at_start = _graph_breaks()
@@ -88,7 +90,7 @@ class _State:
             self.backends.append(self.backend)
         dynamic = None if self.backend.options.get("dynamic", True) else False
         options = None if self.backend.options.get("module_guards") else {"guard_filter_fn": self.guard_filter}
-        compiled = torch.compile(self.original_forward, backend=self.backend, dynamic=dynamic, options=options)
+        compiled = torch.compile(self.traced_forward, backend=self.backend, dynamic=dynamic, options=options)
         # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
         # also make a head count symbolic when a second model of the same class has another one.
         compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
@@ -96,6 +98,28 @@ class _State:
             # A batch of 1 would otherwise get a trace of its own (Dynamo specialises sizes 0 and 1).
             compiled = _SIZE_OBLIVIOUS.patch(backed_size_oblivious=True)(compiled)
         self.compiled = compiled
+
+
+def _own_code(forward):
+    """The forward with a code object of its own (an equal copy), bound to the same module.
+
+    Dynamo keeps the graphs it compiled for a function on that function's code object, and caps
+    their number per code object (accumulated_recompile_limit, 256). Hugging Face's forwards are
+    wrapped by decorators whose one `wrapper` code object is every model's: the entries of each model
+    optimized in a process stay on it (a model's death frees transfuse's graphs, not Dynamo's entries),
+    and the 257th model was never compiled: it ran as written, silently (2026-11-29, 256 tiny BERTs
+    optimized in a loop). A copy per model keeps each model's entries on its own code object, freed
+    with it."""
+    func = getattr(forward, "__func__", forward)
+    if not isinstance(func, types.FunctionType):
+        return forward
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__dict__.update(func.__dict__)  # functools.wraps' __wrapped__, HF's markers
+    copy.__qualname__, copy.__module__, copy.__doc__ = func.__qualname__, func.__module__, func.__doc__
+    self = getattr(forward, "__self__", None)
+    return types.MethodType(copy, self) if self is not None and forward is not func else copy
 
 
 def _graph_breaks() -> int:
