@@ -31,19 +31,21 @@ def test_generate_does_not_compile_again_and_restore_gives_it_back():
     assert model.generation_config.disable_compile == before
 
 
-def test_each_optimized_model_compiles_on_a_code_object_of_its_own(monkeypatch):
+def test_each_optimized_model_compiles_on_a_code_object_of_its_own():
     """Hugging Face's forward decorators share one code object among all models; Dynamo caps the
     entries per code object (256): the 257th model optimized in a process ran as written, silently.
     Here the cap is 2 and five models of one class must all compile."""
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 2)
     config = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, vocab_size=50)
     ids = torch.randint(0, 50, (1, 5))
-    for _ in range(5):
-        model = transformers.BertModel(config).eval()
-        with torch.no_grad():
-            ref = model(ids).last_hidden_state
-            transfuse.optimize(model)
-            out = model(ids).last_hidden_state
-        assert len(model._transfuse_state.backend.records) == 1
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    limit = torch._dynamo.config.accumulated_recompile_limit
+    with torch._dynamo.config.patch(accumulated_recompile_limit=2):  # not monkeypatch: its undo deletes it
+        for _ in range(5):
+            model = transformers.BertModel(config).eval()
+            with torch.no_grad():
+                ref = model(ids).last_hidden_state
+                transfuse.optimize(model)
+                out = model(ids).last_hidden_state
+            assert len(model._transfuse_state.backend.records) == 1
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert torch._dynamo.config.accumulated_recompile_limit == limit
