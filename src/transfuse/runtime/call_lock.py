@@ -4,9 +4,9 @@ An optimized model owns state that every call writes: the CUDA graphs' static in
 replay reads what the last copy-in wrote), the graphs' one memory pool (two graphs replaying at once
 would share their intermediates), generate()'s static KV cache and decode-loop buffers. Two threads
 calling one model at the same time would interleave those writes and read each other's inputs, a
-wrong answer and no error, where eager PyTorch (and torch.compile's per-thread CUDA graph trees) are
-safe. So the model's forward and generate() hold one re-entrant lock per model for the whole call:
-threads take turns, each gets its own result.
+wrong answer and no error, where the eager model gives each thread its own. So the model's forward
+and generate() hold one re-entrant lock per model for the whole call: threads take turns, each gets
+its own result.
 
 A lock orders the calls on the host only. A caller on another CUDA stream than the previous call's
 would start writing the static buffers while the previous replay may still be reading them on the
