@@ -21,8 +21,8 @@ from transfuse.report import format_report
 from transfuse.runtime import encoder as _encoder
 from transfuse.runtime import generation as _generation
 from transfuse.runtime import output_hooks
-from transfuse.runtime.call_lock import CallLock
 from transfuse.runtime.buckets import BucketPolicy
+from transfuse.runtime.call_lock import CallLock
 from transfuse.runtime.warmup import run_warmup
 
 log = logging.getLogger("transfuse")
@@ -113,13 +113,13 @@ def _own_code(forward):
     func = getattr(forward, "__func__", forward)
     if not isinstance(func, types.FunctionType):
         return forward
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+    twin = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                               func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__
-    copy.__dict__.update(func.__dict__)  # functools.wraps' __wrapped__, HF's markers
-    copy.__qualname__, copy.__module__, copy.__doc__ = func.__qualname__, func.__module__, func.__doc__
-    self = getattr(forward, "__self__", None)
-    return types.MethodType(copy, self) if self is not None and forward is not func else copy
+    twin.__kwdefaults__ = func.__kwdefaults__
+    twin.__dict__.update(func.__dict__)  # functools.wraps' __wrapped__, HF's markers
+    twin.__qualname__, twin.__module__, twin.__doc__ = func.__qualname__, func.__module__, func.__doc__
+    owner = getattr(forward, "__self__", None)
+    return types.MethodType(twin, owner) if owner is not None and forward is not func else twin
 
 
 def _graph_breaks() -> int:
