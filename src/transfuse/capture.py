@@ -234,7 +234,9 @@ def optimize(
     def forward(*args, **kwargs):
         if state.eager_reason is not None:
             return original(*args, **kwargs)
-        with state.lock:  # one call at a time: the graphs' buffers are the model's (runtime/call_lock.py)
+        # One call at a time: the graphs' buffers are the model's (runtime/call_lock.py); a trace that
+        # starts inside sees math-only SDPA (tracing_sdpa.py).
+        with state.lock, tracing_sdpa.inside_forward():
             return locked_forward(*args, **kwargs)
 
     def locked_forward(*args, **kwargs):
@@ -252,13 +254,11 @@ def optimize(
             if watch is not None:
                 watch.in_call = True  # registrations the forward itself makes are Dynamo's to see
             try:
-                with tracing_sdpa.inside_forward():
-                    return state.compiled(*args, **kwargs)
+                return state.compiled(*args, **kwargs)
             except StaleGraph:
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
                 state.compile()
-                with tracing_sdpa.inside_forward():
-                    return state.compiled(*args, **kwargs)
+                return state.compiled(*args, **kwargs)
             except Exception as exc:
                 if not module_guards and _guard_filter_failure(exc):
                     raise TransfuseError(
