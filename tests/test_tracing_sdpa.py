@@ -89,7 +89,7 @@ def test_callbacks_come_back_after_dynamo_reset():
     with torch.no_grad():
         model(ids)
     assert tracing_sdpa._on_compile_start in handler.start_callbacks
-    assert tracing_sdpa.restore in handler.end_callbacks
+    assert tracing_sdpa._on_compile_end in handler.end_callbacks
 
 
 def test_auto_means_cuda_under_a_torch_whose_choice_guards(monkeypatch):
@@ -106,3 +106,50 @@ def test_auto_means_cuda_under_a_torch_whose_choice_guards(monkeypatch):
     monkeypatch.setenv(tracing_sdpa.ENV, "mathh")
     with pytest.raises(ValueError, match="TRANSFUSE_TRACE_SDPA='mathh'"):
         tracing_sdpa.enabled()
+
+
+def _dynamo_settings():
+    import torch.fx.experimental._config as fx_config
+
+    return torch._dynamo.config.automatic_dynamic_shapes, fx_config.backed_size_oblivious
+
+
+def test_dynamo_settings_apply_only_while_a_transfuse_forward_traces():
+    import torch.fx.experimental._config as fx_config
+
+    settings = tracing_sdpa.inside_forward([(torch._dynamo.config, {"automatic_dynamic_shapes": False}),
+                                            (fx_config, {"backed_size_oblivious": True})])
+    before = _dynamo_settings()
+    assert before == (True, False)  # torch's defaults: the test means something
+    tracing_sdpa._on_compile_start()  # outside a transfuse forward: nothing changes
+    assert _dynamo_settings() == before
+    with settings:
+        assert _dynamo_settings() == before  # a call that does not trace reads nothing, pays nothing
+        tracing_sdpa._on_compile_start()
+        assert _dynamo_settings() == (False, True)
+        tracing_sdpa.restore()  # the backend's first step gives back the SDPA flags only
+        assert _dynamo_settings() == (False, True)
+        tracing_sdpa._on_compile_end()
+        assert _dynamo_settings() == before
+        tracing_sdpa._on_compile_start()
+    assert _dynamo_settings() == before  # leaving the forward restores, even without a compile end
+
+
+def test_optimized_model_traces_with_its_dynamo_settings(monkeypatch):
+    model, eager, ids = tiny_bert_twins()
+    seen = []
+    original_call = transfuse.backend.Backend.__call__
+
+    def backend_call(self, gm, example_inputs):
+        seen.append(_dynamo_settings())
+        return original_call(self, gm, example_inputs)
+
+    monkeypatch.setattr(transfuse.backend.Backend, "__call__", backend_call)
+    transfuse.optimize(model)
+    before = _dynamo_settings()
+    with torch.no_grad():
+        out = model(ids).last_hidden_state
+        assert _dynamo_settings() == before
+        ref = eager(ids).last_hidden_state
+    assert seen == [(False, True)]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -61,6 +61,7 @@ class _State:
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
         self.branchless = None  # forwards whose data-dependent guards were made branchless (branchless.py)
         self.lock = CallLock()  # the forward's and generate()'s calls, one at a time
+        self.trace_settings = None  # tracing_sdpa.inside_forward with this model's Dynamo settings, set by compile()
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -90,14 +91,16 @@ class _State:
             self.backends.append(self.backend)
         dynamic = None if self.backend.options.get("dynamic", True) else False
         options = None if self.backend.options.get("module_guards") else {"guard_filter_fn": self.guard_filter}
-        compiled = torch.compile(self.traced_forward, backend=self.backend, dynamic=dynamic, options=options)
-        # Only the input dimensions optimize() marks are dynamic: Dynamo's automatic dynamic would
-        # also make a head count symbolic when a second model of the same class has another one.
-        compiled = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(compiled)
+        self.compiled = torch.compile(self.traced_forward, backend=self.backend, dynamic=dynamic, options=options)
+        # Settings of every trace the forward makes, applied by tracing_sdpa's compile callbacks while
+        # Dynamo traces (a call that does not trace pays nothing for them). Only the input dimensions
+        # optimize() marks are dynamic: Dynamo's automatic dynamic would also make a head count
+        # symbolic when a second model of the same class has another one.
+        settings = [(torch._dynamo.config, {"automatic_dynamic_shapes": False})]
         if dynamic is None and _SIZE_OBLIVIOUS is not None:
             # A batch of 1 would otherwise get a trace of its own (Dynamo specialises sizes 0 and 1).
-            compiled = _SIZE_OBLIVIOUS.patch(backed_size_oblivious=True)(compiled)
-        self.compiled = compiled
+            settings.append((_SIZE_OBLIVIOUS, {"backed_size_oblivious": True}))
+        self.trace_settings = tracing_sdpa.inside_forward(settings)
 
 
 def _own_code(forward):
@@ -235,8 +238,8 @@ def optimize(
         if state.eager_reason is not None:
             return original(*args, **kwargs)
         # One call at a time: the graphs' buffers are the model's (runtime/call_lock.py); a trace that
-        # starts inside sees math-only SDPA (tracing_sdpa.py).
-        with state.lock, tracing_sdpa.inside_forward():
+        # starts inside sees math-only SDPA and this model's Dynamo settings (tracing_sdpa.py).
+        with state.lock, state.trace_settings:
             return locked_forward(*args, **kwargs)
 
     def locked_forward(*args, **kwargs):
@@ -345,7 +348,9 @@ def _mark_dynamic(args, kwargs) -> None:
         leaves = pytree.tree_leaves((args, kwargs))
     for t in leaves:
         for tensor, dims in _cache_tensors(t) if not isinstance(t, torch.Tensor) else ((t, None),):
-            if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_dynamo_weak_dynamic_indices", None):
+            # (a plain tensor's type first: Parameter's isinstance is a Python metaclass check)
+            if ((type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter))
+                    or getattr(tensor, "_dynamo_weak_dynamic_indices", None)):
                 continue  # already marked (a static cache's tensors come back every decode step)
             for d, size in enumerate(tensor.shape):
                 if size > 1 and (dims is None or d in dims):

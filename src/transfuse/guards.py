@@ -125,8 +125,10 @@ class ModuleWatch:
         self.forward_pre_hooks = list(map(_forward_pre_hooks, self.modules))
         self.clean = not any(self.training) and not any(map(any, self.hooks[:2])) and not any(self.hooks[2:])
         config = getattr(model, "config", None)
-        self.config = config
-        self.config_items = dict(vars(config)) if config is not None and hasattr(config, "__dict__") else None
+        # The config's own attribute dict, held (an object keeps it for life): vars(config) goes
+        # through Hugging Face's config __getattribute__, twice the cost of the comparison itself.
+        self.config_dict = vars(config) if config is not None and hasattr(config, "__dict__") else None
+        self.config_items = dict(self.config_dict) if self.config_dict is not None else None
         self.dirty = False
 
     def _hook_counts(self) -> tuple:
@@ -145,7 +147,7 @@ class ModuleWatch:
         elif tuple(map(_training, self.modules)) != self.training or self._hook_counts() != self.hooks:
             return True
         try:
-            return self.config_items is not None and vars(self.config) != self.config_items
+            return self.config_items is not None and self.config_dict != self.config_items
         except Exception:  # a value whose == does not give a bool (a tensor): count it changed
             return True
 

@@ -470,3 +470,28 @@ def test_a_router_pads_unless_it_sorts_across_tokens(order_tokens):
     else:
         assert "BucketPadding" not in text, text
         assert _buckets(runner, "x") == {(4, 8), (8, 8)}  # batch and sequence padded
+
+
+def test_key_lengths_written_when_they_change_and_always_inside_a_callers_graph():
+    """The key-length buffer is filled only when the length changes; lengths that come back, change
+    inside one bucket, or follow a call made for a caller's own graph (whose replays write the buffer
+    behind the runner's back) still mask exactly the padded keys."""
+    from transfuse.runtime.cuda_graphs import part_of_callers_graph
+
+    model = BERT.build("sdpa")
+    transfuse.optimize(model)
+    rng = random.Random(2)
+    seqs = [9, 9, 12, 9, 12, 12, 11]  # one bucket (16) throughout
+    for i, seq in enumerate(seqs):
+        inputs = _random_inputs(model.config.vocab_size, 2, seq, rng, with_mask=False)
+        with torch.no_grad():
+            if i == 4:
+                with part_of_callers_graph():
+                    out = model(**inputs).last_hidden_state
+            else:
+                out = model(**inputs).last_hidden_state
+            ref = model.forward.__wrapped__(**inputs).last_hidden_state
+        assert rel_err(out, ref) < 1e-5, f"call {i} (seq {seq})"
+        (runner,) = _runners(model)
+        assert (runner._key_len_written is None) == (i >= 4)
+    assert _traces(model) == 1

@@ -81,6 +81,7 @@ class PaddedRunner(GraphCache):
         self._first_input = min(self._dims_of_input) if self._dims_of_input else None
         self.precompiled: dict | None = None  # what the dry run at the second bucket did
         self.precompiled_first: dict | None = None  # the first bucket's (its own kernels only)
+        self._key_len_written: dict | None = {}  # symbol -> the length its key_lens buffer holds (None: not kept)
 
     # ---- sizes
     def _real_sizes(self, args) -> dict:
@@ -115,9 +116,20 @@ class PaddedRunner(GraphCache):
         return {n: (symbols, all(s in self.plan.paddable for s in symbols)) for n, symbols in groups.items()}
 
     # ---- arguments
-    def _set_key_lens(self, real: dict) -> None:
+    def _set_key_lens(self, real: dict, direct: bool) -> None:
+        # An asynchronous fill (no host synchronisation), and only when the length changes: the
+        # buffers are written here alone, and a call at the length of the one before (a model served
+        # at one shape) skips a launch. Not once a fill may have gone into a caller's own CUDA graph
+        # (run_directly): its replays write the buffer behind this record's back.
+        if direct:
+            self._key_len_written = None
         for s, buffer in self.plan.key_lens:
-            buffer.fill_(real[s])  # an asynchronous fill: no host synchronisation
+            n = real[s]
+            if self._key_len_written is None:
+                buffer.fill_(n)
+            elif self._key_len_written.get(s) != n:
+                buffer.fill_(n)
+                self._key_len_written[s] = n
 
     def _padded_args(self, args, real: dict, target: dict) -> list:
         def pad(a, shape):
@@ -168,9 +180,10 @@ class PaddedRunner(GraphCache):
     def __call__(self, *args):
         real = self._real_sizes(args)
         target = self._targets(real)
+        direct = run_directly()
         if target is None:  # beyond the largest bucket: exact size, no graph
             self.exact_calls += 1
-            self._set_key_lens(real)
+            self._set_key_lens(real, direct)
             return self.fn(*args)
         key = tuple(target[s] for s in self.symbols)
         stats = self.stats[key]
@@ -180,9 +193,9 @@ class PaddedRunner(GraphCache):
         dims = self._dims_of_input.get(self._first_input, [])
         stats.real += math.prod(real[s] for _, s in dims)
         stats.padded += math.prod(target[s] for _, s in dims)
-        self._set_key_lens(real)
+        self._set_key_lens(real, direct)
         # Without graphs, or as part of the caller's own graph (the decode loop's step): run the kernels.
-        if not self.use_graphs or run_directly():
+        if not self.use_graphs or direct:
             outputs = self.fn(*self._padded_args(args, real, target))
             return self._slice_outputs(outputs, real, target, clone=False)
         captured = self.lookup(key, args)
@@ -264,8 +277,10 @@ class PaddedRunner(GraphCache):
 
     def _fill(self, captured: _Captured, args, real: dict) -> None:
         for i, buf in captured.inputs:
-            if i in self._dims_of_input:
+            if i in self._dims_of_input and buf.shape != args[i].shape:
                 buf[self._corner(args[i].shape)].copy_(args[i])
+            elif i in self._dims_of_input:
+                buf.copy_(args[i])  # the bucket's own size: the whole buffer, no view to make
             else:
                 load(buf, args[i])
 
