@@ -33,9 +33,9 @@ class CallLock:
         self._lock.acquire()
         self._depth += 1
         if self._depth == 1 and torch.cuda.is_initialized():
-            # The stream's identity as torch's C layer gives it (stream id, device, type): building a
-            # torch.cuda.Stream object on every call cost ~10 us of a bert-base call's host time on
-            # the H200's host (cProfile, 2026-12-01); one is built only when the stream changes.
+            # The stream's identity as torch's C layer gives it (stream id, device, type): 0.9 us a
+            # call against 8.2 us for torch.cuda.current_stream(), which builds a Stream object (H200
+            # host, torch 2.11, 2026-12-01); a Stream is built only when the stream changes.
             key = _current_stream_key()
             if key != self._key:
                 current = torch.cuda.current_stream()
