@@ -11,25 +11,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
 from transformers import BertConfig, BertModel
 
 import transfuse
+from profile_compare import host_ms  # bench/, the script's own folder
 from transfuse.capture import _STATE
-
-
-def host_ms(call, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def synthetic_replay_ms(kernels: int, iters: int) -> float:

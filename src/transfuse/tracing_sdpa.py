@@ -1,4 +1,6 @@
-"""Only torch's math SDPA is enabled while Dynamo traces a transfuse forward.
+"""While Dynamo traces a transfuse forward: only torch's math SDPA is enabled, and the model's own
+Dynamo settings apply (`inside_forward`'s settings: optimize()'s automatic_dynamic_shapes off and
+backed_size_oblivious on, read by a trace alone, so a call that does not trace pays nothing for them).
 
 Dynamo runs each `F.scaled_dot_product_attention` on fake tensors to learn its output's shape. On
 CUDA that call first picks a kernel (cuDNN, flash, memory-efficient), and the tests it makes on

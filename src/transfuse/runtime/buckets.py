@@ -123,13 +123,13 @@ class PaddedRunner(GraphCache):
         # (run_directly): its replays write the buffer behind this record's back.
         if direct:
             self._key_len_written = None
+        written = self._key_len_written
         for s, buffer in self.plan.key_lens:
             n = real[s]
-            if self._key_len_written is None:
+            if written is None or written.get(s) != n:
                 buffer.fill_(n)
-            elif self._key_len_written.get(s) != n:
-                buffer.fill_(n)
-                self._key_len_written[s] = n
+                if written is not None:
+                    written[s] = n
 
     def _padded_args(self, args, real: dict, target: dict) -> list:
         def pad(a, shape):
