@@ -277,12 +277,12 @@ class PaddedRunner(GraphCache):
 
     def _fill(self, captured: _Captured, args, real: dict) -> None:
         for i, buf in captured.inputs:
-            if i in self._dims_of_input and buf.shape != args[i].shape:
-                buf[self._corner(args[i].shape)].copy_(args[i])
-            elif i in self._dims_of_input:
+            if i not in self._dims_of_input:
+                load(buf, args[i])
+            elif buf.shape == args[i].shape:
                 buf.copy_(args[i])  # the bucket's own size: the whole buffer, no view to make
             else:
-                load(buf, args[i])
+                buf[self._corner(args[i].shape)].copy_(args[i])
 
     def bucket_report(self) -> list[str]:
         lines = []

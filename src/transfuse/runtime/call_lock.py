@@ -49,10 +49,14 @@ class CallLock:
         self._lock.release()
 
 
+# torch's private CUDA bindings behind torch.cuda.current_stream(), looked up once (absent on a CPU build)
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _current_stream_key():
     """(stream id, device index, device type) of the current CUDA stream, without a Stream object."""
-    get_stream, get_device = getattr(torch._C, "_cuda_getCurrentStream", None), getattr(torch._C, "_cuda_getDevice", None)
-    if get_stream is None or get_device is None:  # private bindings renamed: the public, slower way
+    if _GET_STREAM is None or _GET_DEVICE is None:  # private bindings renamed: the public, slower way
         stream = torch.cuda.current_stream()
         return stream.stream_id, stream.device_index, stream.device_type
-    return get_stream(get_device())
+    return _GET_STREAM(_GET_DEVICE())
