@@ -49,3 +49,27 @@ def test_each_optimized_model_compiles_on_a_code_object_of_its_own():
             assert len(model._transfuse_state.backend.records) == 1
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch._dynamo.config.accumulated_recompile_limit == limit
+
+
+def test_a_model_split_across_devices_runs_as_it_was():
+    """Parameters on two devices (device_map="auto", offloading): one CUDA graph or kernel launch is
+    one device's, so the model is left as it was, and the report says why."""
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 4)
+            self.offloaded = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # not read by forward
+
+        def forward(self, x):
+            return torch.relu(self.layer(x))
+
+    torch.manual_seed(0)
+    model = Split()
+    x = torch.randn(3, 8)
+    want = model(x)
+    transfuse.optimize(model)
+    assert torch.equal(model(x), want)
+    report = transfuse.report(model)
+    assert "left to eager: its tensors are on 2 devices (cpu, meta)" in report, report
+    assert "nothing compiled" in report

@@ -153,3 +153,86 @@ def test_optimized_model_traces_with_its_dynamo_settings(monkeypatch):
         ref = eager(ids).last_hidden_state
     assert seen == [(False, True)]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_trace_without_gradients_calls_the_stand_in_and_the_graph_gets_sdpa_back(monkeypatch):
+    """In a no-grad trace, F.scaled_dot_product_attention is the stand-in op while Dynamo traces; the
+    backend receives SDPA nodes again (the attention pass matches them as always), and the function is
+    the user's again after the trace."""
+    monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    model, eager, ids = tiny_bert_twins()
+    transfuse.optimize(model)
+    seen_during, untraced = [], []
+    original_untrace = tracing_sdpa.untrace
+    record = lambda *_: seen_during.append(torch.nn.functional.scaled_dot_product_attention)  # noqa: E731
+    torch._dynamo.reset()
+    tracing_sdpa.install()
+    handler = torch._dynamo.callback.callback_handler
+    handler.register_start_callback(record)
+
+    def spy(gm):
+        count = original_untrace(gm)
+        untraced.append(count)
+        assert not any(n.target is tracing_sdpa._TRACED or n.target is tracing_sdpa._TRACED.default
+                       for n in gm.graph.nodes)
+        return count
+
+    monkeypatch.setattr(tracing_sdpa, "untrace", spy)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    try:
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask).last_hidden_state
+            ref = eager(ids, attention_mask=mask).last_hidden_state
+    finally:
+        handler.remove_start_callback(record)
+    assert seen_during == [tracing_sdpa._TRACED]
+    assert untraced == [2]  # both layers' SDPA calls went through the stand-in
+    assert torch.nn.functional.scaled_dot_product_attention is tracing_sdpa._SDPA
+    assert rewrite_counts(model)["TorchSDPA"] == 2
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+def test_no_stand_in_with_gradients_or_when_asked_for_math(monkeypatch):
+    tracing_sdpa.install()
+    for env, grad in (("auto", True), ("math", False), ("as-is", False)):
+        monkeypatch.setenv(tracing_sdpa.ENV, env)
+        with tracing_sdpa.inside_forward(), torch.set_grad_enabled(grad):
+            tracing_sdpa._on_compile_start()
+            assert torch.nn.functional.scaled_dot_product_attention is tracing_sdpa._SDPA, env
+            tracing_sdpa.restore()
+
+
+def test_the_stand_in_computes_sdpa_with_its_gradients():
+    """Another thread calling SDPA while a trace runs gets the stand-in: it must give SDPA's values
+    and, with dropout, SDPA's own gradients (the mask drawn once)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True
+    got = torch.ops.transfuse.traced_sdpa(q, k, v, attn_mask=mask, scale=0.2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    out = torch.ops.transfuse.traced_sdpa(q, k, v, dropout_p=0.5)
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert torch.isfinite(dq).all() and out.grad_fn is not None
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.transfuse.traced_sdpa(q, k, v, is_causal=True),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_untrace_names_the_arguments_as_sdpa_does():
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    q, k, v, m = (graph.placeholder(n) for n in "qkvm")
+    graph.output(graph.call_function(tracing_sdpa._TRACED, (q, k, v, m, 0.0, True), {"scale": 0.5, "enable_gqa": False}))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert tracing_sdpa.untrace(gm) == 1
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert node.target is torch.nn.functional.scaled_dot_product_attention
+    assert node.args == (q, k, v) and node.kwargs == {"attn_mask": m, "is_causal": True, "scale": 0.5}

@@ -86,6 +86,7 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         tracing_sdpa.restore()  # the user's SDPA flags for the passes and the graph (tracing_sdpa.py)
+        tracing_sdpa.untrace(gm)  # the stand-in SDPA nodes of a trace without gradients, SDPA again
         if _host_graph(gm, example_inputs):
             return self._as_traced(gm, "every input is on the CPU and none is a parameter: host-side bookkeeping "
                                        "between the model's GPU graphs; it runs as traced")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import logging
 import re
 import traceback
@@ -38,8 +39,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _State:
-    def __init__(self, backend: Backend, original_forward, compiled_forward):
+    def __init__(self, backend: Backend, original_forward, compiled_forward, model: torch.nn.Module | None = None):
         self.backend = backend
+        self.model = weakref.ref(model) if model is not None else (lambda: None)
         self.backends = [backend]
         self.original_forward = original_forward
         self.traced_forward = _own_code(original_forward)  # what Dynamo compiles (see _own_code)
@@ -60,7 +62,9 @@ class _State:
         self.untraceable: collections.Counter = collections.Counter()  # Dynamo's trace error -> calls run as written
         self.guard_filter = None  # guards.module_guard_filter(model), set by optimize() before compile()
         self.branchless = None  # forwards whose data-dependent guards were made branchless (branchless.py)
-        self.lock = CallLock()  # the forward's and generate()'s calls, one at a time
+        # the forward's and generate()'s calls, one at a time, each with the model's GPU current
+        self.lock = CallLock(self.device_index)
+        self.device_tensor = lambda: None  # weakref to the model's first parameter or buffer, set by compile()
         self.trace_settings = None  # tracing_sdpa.inside_forward with this model's Dynamo settings, set by compile()
 
     def check_traces(self, original, max_traces: int) -> None:
@@ -83,8 +87,23 @@ class _State:
                              f"failed: {last[:200]}; the model now runs as it was")
         log.warning("transfuse: %s", self.eager_reason)
 
+    def device_index(self) -> int:
+        """The CUDA device index of the model's tensors (-1: not on a GPU), for the call lock."""
+        tensor = self.device_tensor()
+        return tensor.get_device() if tensor is not None else -1
+
     def compile(self) -> None:
         self.tracing_calls = 0
+        model = self.model()
+        if model is not None:  # a model.to() moves the tensor in place; a replaced one recompiles
+            first = next(itertools.chain(model.parameters(), model.buffers()), None)
+            self.device_tensor = weakref.ref(first) if first is not None else (lambda: None)
+            devices = _devices(model)
+            if len(devices) > 1 and self.eager_reason is None:
+                self.eager_reason = (f"its tensors are on {len(devices)} devices ({', '.join(devices)}): transfuse "
+                                     "runs a model that is on one device (a CUDA graph, a kernel launch are one "
+                                     "GPU's); it runs as it was")
+                log.warning("transfuse: %s", self.eager_reason)
         if self.compiled is not None:
             self.backend = Backend(**self.backend.options)
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
@@ -228,7 +247,7 @@ def optimize(
     # before model.forward is read: the model's own forward may have a guard too
     rewritten = _branchless.install(model) if _branchless.NAME not in disable else _branchless.Rewritten()
     original = model.forward
-    state = _State(backend, original, None)
+    state = _State(backend, original, None, model)
     state.branchless = rewritten
     state.guard_filter = module_guard_filter(model)
     state.compile()
@@ -251,6 +270,8 @@ def optimize(
             # A module of the model changed (guards.py): a fresh backend is a new Dynamo cache entry.
             state.compile()
             watch.snapshot()
+            if state.eager_reason is not None:  # now split across devices
+                return original(*args, **kwargs)
         traced = len(state.backend.records)
         backend, graph_calls = state.backend, state.backend.graph_calls
         try:
@@ -261,6 +282,8 @@ def optimize(
             except StaleGraph:
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
                 state.compile()
+                if state.eager_reason is not None:  # moved onto several devices
+                    return original(*args, **kwargs)
                 return state.compiled(*args, **kwargs)
             except Exception as exc:
                 if not module_guards and _guard_filter_failure(exc):
@@ -322,21 +345,33 @@ def optimize(
     model.__dict__["__reduce_ex__"] = _refuse_pickling
     # generate() would compile the forward again for a static cache: transfuse is the compiler here.
     generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "disable_compile"):
+    if generation is not None and hasattr(generation, "disable_compile") and state.eager_reason is None:
         state.disable_compile_was = generation.disable_compile
         generation.disable_compile = True
-    if static_cache:
+    if state.eager_reason is not None:
+        state.static_cache_reason = "the model runs as it was (see 'left to eager')"
+    elif static_cache:
         _generation.install(model, state)
     else:
         state.static_cache_reason = "optimize(static_cache=False)"
-    _encoder.install(model, state, dict(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets,
-                                        max_graphs=max_graphs, disable=disable, module_guards=module_guards,
-                                        max_traces=max_traces, **options))
+    if state.eager_reason is None:
+        _encoder.install(model, state, dict(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets,
+                                            max_graphs=max_graphs, disable=disable, module_guards=module_guards,
+                                            max_traces=max_traces, **options))
     # Dynamo never frees a backend; free what ours hold (CUDA graphs, merged weights) with the model.
     weakref.finalize(model, _release, state.backends)
     if warmup:
         run_warmup(model, warmup)
     return model
+
+
+def _devices(model: torch.nn.Module) -> list[str]:
+    """The devices the model's parameters are on, with every GPU its buffers are on: more than one is
+    a model split across devices (device_map="auto", offloading). A buffer left on the CPU beside GPU
+    parameters is a host tensor the graph moves (passes/host_tensors.py), not a second device."""
+    devices = {str(p.device) for p in model.parameters()}
+    devices |= {str(b.device) for b in model.buffers() if b.is_cuda}
+    return sorted(devices)
 
 
 def _mark_dynamic(args, kwargs) -> None:
@@ -515,7 +550,10 @@ def report(model: torch.nn.Module) -> str:
         return "transfuse: this model was not optimized (call transfuse.optimize(model))"
     records = [r for b in state.backends for r in b.records]
     runners = [r for b in state.backends for r in b.runners]
-    text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
+    if not records and state.eager_reason:
+        text = "transfuse: nothing compiled"
+    else:
+        text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
     if branchless := state.branchless.describe():

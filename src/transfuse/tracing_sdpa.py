@@ -19,14 +19,29 @@ symbolic batch against 1 first. Torch 2.13 rewrote it to compare symbolically an
 (its shipped header), so the switch is only needed before 2.13. It has a price: the math path
 gives the trace more fake-tensor work (bert-base's Dynamo compile 2.4 -> 3.0 s on the development
 CPU; get_fake_value +0.65-1.05 s on the H200, 2026-11-29) against a whole second trace (4-5 s there)
-when the first batch of one comes. TRANSFUSE_TRACE_SDPA=auto (the default) switches on a machine
-with CUDA under torch < 2.13; =math always; =as-is never.
+when the first batch of one comes. 
+A trace without gradients does better still: `F.scaled_dot_product_attention` itself is
+`torch.ops.transfuse.traced_sdpa` while it runs, an op of the same schema whose fake
+implementation only states the output's shape (no kernel choice, so no guard, and no decomposition
+to run on fake tensors), and transfuse's backend turns each such node back into the SDPA call it
+was (`untrace`) before anything reads the graph. bert-base's SDPA calls took 1.37 s of fake-tensor
+work on the math path, 0.15 s as they are and 0.10 s this way (development CPU, torch 2.13,
+2026-12-01, bench/trace_sdpa_cost.py); its warm first call on an H200 4.1-6.4 s against 5.3-8.2 s
+with math-only SDPA (alternating processes, bench/results/*-first-call-ab-session39.log). Code that bound the function at import (`from torch.nn.functional import
+scaled_dot_product_attention`) still meets the math backend. The op is visible to every thread
+while a trace runs, so it computes what SDPA computes, autograd included (it calls SDPA).
+
+TRANSFUSE_TRACE_SDPA=auto (the default): the stand-in in traces without gradients, and math-only
+SDPA on a machine with CUDA under torch < 2.13; =math: math-only SDPA in every trace and no
+stand-in (the behaviour before the stand-in); =as-is: neither.
 """
 
 import os
 import threading
 
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
 
 ENV = "TRANSFUSE_TRACE_SDPA"
 # torch before 2.13 guards on the batch in check_attn_mask_shape (see above)
@@ -35,11 +50,108 @@ _FLAGS = ("flash_sdp", "mem_efficient_sdp", "cudnn_sdp", "math_sdp")
 _local = threading.local()
 
 
-def enabled() -> bool:
+def _mode() -> str:
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "math", "as-is"):
-        raise ValueError(f"{ENV}={mode!r}: use auto (math with CUDA under torch < 2.13), math or as-is")
+        raise ValueError(f"{ENV}={mode!r}: use auto (the stand-in without gradients, math with CUDA under "
+                         "torch < 2.13), math or as-is")
+    return mode
+
+
+def enabled() -> bool:
+    """Whether traces run with math-only SDPA (see the module docstring)."""
+    mode = _mode()
     return mode == "math" or (mode == "auto" and CHOICE_GUARDS_BATCH and torch.cuda.is_available())
+
+
+def stand_in_enabled() -> bool:
+    """Whether a trace without gradients calls the stand-in op for F.scaled_dot_product_attention."""
+    return _mode() == "auto"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The stand-in: torch.ops.transfuse.traced_sdpa, SDPA's own schema under another name
+# ----------------------------------------------------------------------------------------------------
+
+_SDPA = F.scaled_dot_product_attention  # what Dynamo records for an SDPA call, and what untrace() puts back
+_ATEN = torch.ops.aten.scaled_dot_product_attention.default
+_LIB = torch.library.Library("transfuse", "FRAGMENT")
+_LIB.define(str(_ATEN._schema).split("::", 1)[1].replace("scaled_dot_product_attention", "traced_sdpa", 1))
+
+
+def _eager(*args, **kwargs):
+    return _SDPA(*args, **kwargs)
+
+
+def _fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False,
+          **_later):
+    """The output's shape, and the size facts SDPA's own checks give a trace: without them a cache's
+    symbolic head count or a mask's symbolic length would stay apart from the query's (T5's
+    cross-attention: "query and key head counts differ"). Each is an equality, as SDPA's math path
+    states it under backed_size_oblivious (a size of 1 broadcasts only where it is a constant 1); the
+    kernel choice's `mask.size(0) == 1` test is the one left out (see the module docstring)."""
+    torch._check(key.size(-1) == query.size(-1), lambda: "SDPA: query and key head dims differ")
+    torch._check(value.size(-2) == key.size(-2), lambda: "SDPA: key and value lengths differ")
+    lead = query.dim() - 2
+    for i in range(lead):  # batch and heads: equal, or one of them a constant 1 (Falcon's one KV head)
+        if enable_gqa and i == lead - 1:  # heads: each KV head serves a group of query heads
+            if not _broadcasts(query.size(i), key.size(i)):
+                torch._check(query.size(i) % key.size(i) == 0, lambda: "SDPA: query heads not a multiple of key heads")
+        else:
+            _check_equal(query.size(i), key.size(i), "query and key")
+        _check_equal(value.size(i), key.size(i), "key and value")
+    if attn_mask is not None:
+        scores = (*query.shape[:-1], key.shape[-2])
+        for size, full in zip(reversed(attn_mask.shape), reversed(scores)):
+            _check_equal(size, full, "the mask and the scores")
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def _broadcasts(a, b) -> bool:
+    return any(isinstance(n, int) and n == 1 for n in (a, b))
+
+
+def _check_equal(a, b, what: str) -> None:
+    if not _broadcasts(a, b):
+        torch._check(a == b, lambda: f"SDPA: {what} differ in a dimension that does not broadcast")
+
+
+def _autograd(*args, **kwargs):
+    # Another thread that calls SDPA while a trace runs here gets SDPA's own autograd (its dropout
+    # mask saved, not drawn again); without gradients, or on the trace's fake tensors under
+    # no_grad, the call goes on below autograd to the fake or eager kernel.
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in (*args, *kwargs.values())):
+        return _SDPA(*args, **kwargs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.transfuse.traced_sdpa.default(*args, **kwargs)
+
+
+_LIB.impl("traced_sdpa", _eager, "CompositeExplicitAutograd")
+_LIB.impl("traced_sdpa", _autograd, "Autograd")
+torch.library.register_fake("transfuse::traced_sdpa", _fake, lib=_LIB)
+_TRACED = torch.ops.transfuse.traced_sdpa
+_DEFAULTS = {a.name: a.default_value for a in _ATEN._schema.arguments if a.has_default_value()}
+_POSITIONAL = [a.name for a in _ATEN._schema.arguments if not a.kwarg_only]
+
+
+def untrace(gm: fx.GraphModule) -> int:
+    """Turns every stand-in node of gm back into the F.scaled_dot_product_attention call it was
+    (arguments as SDPA's signature names them, defaults left out); returns how many."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (_TRACED, _TRACED.default):
+            continue
+        named = dict(zip(_POSITIONAL, node.args))
+        named.update(node.kwargs)
+        args = tuple(named.pop(name) for name in _POSITIONAL[:3])
+        kwargs = {name: v for name, v in named.items()
+                  if isinstance(v, fx.Node) or name not in _DEFAULTS or v != _DEFAULTS[name]}
+        node.target, node.args, node.kwargs = _SDPA, args, kwargs
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 class inside_forward:
@@ -84,6 +196,9 @@ def _on_compile_start(*_args) -> None:
     if getattr(_local, "saved", None) is None and enabled():
         _local.saved = _flags()
         _set({name: name == "math_sdp" for name in _local.saved})
+    if getattr(_local, "replaced", None) is None and not torch.is_grad_enabled() and stand_in_enabled():
+        _local.replaced = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _TRACED
     stack = getattr(_local, "settings", ())
     if stack and getattr(_local, "settings_saved", None) is None:
         saved = []
@@ -109,7 +224,12 @@ def _restore_settings() -> None:
 
 
 def restore(*_args) -> None:
-    """The user's SDPA flags back (transfuse's backend calls it first; Dynamo's compile end does too)."""
+    """The user's SDPA flags and function back (transfuse's backend calls it first; Dynamo's compile
+    end does too)."""
+    replaced = getattr(_local, "replaced", None)
+    if replaced is not None:
+        _local.replaced = None
+        F.scaled_dot_product_attention = replaced
     saved = getattr(_local, "saved", None)
     if saved is not None:
         _local.saved = None

@@ -71,3 +71,43 @@ def test_generate_from_threads_gives_each_its_own_tokens():
         refs = [eager.generate(p, **kwargs) for p in prompts]
     for out, ref in zip(outs, refs):
         assert torch.equal(out, ref)
+
+
+def test_the_models_device_is_current_for_a_call_and_the_callers_after(monkeypatch):
+    """A model on cuda:1 called while cuda:0 is current runs with cuda:1 current (Triton launches and
+    CUDA-graph capture follow the current device, not the tensors'), and the caller finds cuda:0
+    current again after the call, also when it raised; nested calls (generate() calling the forward)
+    switch once. The CUDA calls are stand-ins: the development machine has no GPU."""
+    from transfuse.runtime import call_lock
+
+    current = [0]
+    seen = []
+
+    def exchange(index):
+        before, current[0] = current[0], index
+        seen.append(index)
+        return before
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_exchange_device", exchange)
+    monkeypatch.setattr(call_lock, "_current_device", lambda: current[0])
+    monkeypatch.setattr(call_lock, "_current_stream_key", lambda: ("stream", current[0]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    lock = call_lock.CallLock(lambda: 1)
+    with lock:
+        assert current[0] == 1
+        with lock:  # re-entered: no second switch
+            assert current[0] == 1
+        assert current[0] == 1
+    assert current[0] == 0 and seen == [1, 0]
+    try:
+        with lock:
+            raise ValueError("the model's own error")
+    except ValueError:
+        pass
+    assert current[0] == 0 and seen == [1, 0, 1, 0]
+    with call_lock.CallLock(lambda: 0):  # already current: nothing switched
+        assert current[0] == 0
+    with call_lock.CallLock(lambda: -1):  # not on a GPU
+        assert current[0] == 0
+    assert seen == [1, 0, 1, 0]
