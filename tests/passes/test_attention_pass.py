@@ -165,6 +165,34 @@ def test_grouped_query_reads_kv_heads_without_repeating_them(sdpa):
     assert rel_err(out, ref) < 1e-5
 
 
+class OneKVHead(torch.nn.Module):
+    """Multi-query attention as Falcon writes it: one key/value head that SDPA broadcasts over the
+    query heads (no enable_gqa, no repeat)."""
+
+    def __init__(self, heads=4, dim=16):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.q = torch.nn.Linear(heads * dim, heads * dim)
+        self.kv = torch.nn.Linear(heads * dim, 2 * dim)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k, v = (z.view(b, t, 1, self.dim).transpose(1, 2) for z in self.kv(x).chunk(2, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
+def test_one_kv_head_broadcast_by_sdpa_is_multi_query_attention():
+    torch.manual_seed(0)
+    model = OneKVHead().eval()
+    x = torch.randn(2, 11, 64)
+    mask = torch.randn(2, 1, 11, 11)
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, mask)
+    assert rewrites.get("TorchSDPA") == 1, (rewrites, rejections)
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_head_dim_above_the_kernels_is_left_to_pytorch():
     """A head dim of 512 (past the 256 whose tiles fit an SM's shared memory; 1024 failed to launch
     on an H200): attention stays PyTorch's, with the reason, and the output is eager's."""

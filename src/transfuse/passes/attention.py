@@ -196,13 +196,23 @@ def _match_sdpa(node: fx.Node) -> dict:
         raise Reject("query has no static shape")
     if mask is not None and not is_tensor(mask):
         raise Reject("attn_mask is not a tensor")
-    if not enable_gqa and not same_shape(shape(q)[:-3] + shape(q)[-3:-2], shape(k)[:-3] + shape(k)[-3:-2]):
+    if (not enable_gqa and not same_shape(shape(q)[:-3] + shape(q)[-3:-2], shape(k)[:-3] + shape(k)[-3:-2])
+            and not _one_kv_head_broadcast(q, k, v)):
         raise Reject("query and key head counts differ without enable_gqa")
     return dict(
         out=node, q=q, k=k, v=v, k_transposed=False, masks=[mask] if mask is not None else [],
         bool_masks=[], scale=1.0 / math.sqrt(head_dim) if scale is None else scalar(scale),
         is_causal=is_causal, masked_rows_zero=True, chain=[], autocast=_autocast_dtype(node, (q, k, v)),
     )
+
+
+def _one_kv_head_broadcast(q: fx.Node, k: fx.Node, v: fx.Node) -> bool:
+    """Multi-query attention written as SDPA's broadcast (Falcon's multi_query): one key/value head
+    of size 1 that SDPA broadcasts over the query heads, batch sizes equal. The kernel reads it as
+    grouped-query attention with one group."""
+    qs, ks, vs = shape(q), shape(k), shape(v)
+    return (qs is not None and ks is not None and vs is not None and len(qs) == len(ks) == len(vs) == 4
+            and ks[1] == 1 and vs[1] == 1 and same_shape(qs[:1], ks[:1]) and same_shape(ks[:1], vs[:1]))
 
 
 def _autocast_dtype(node: fx.Node, operands) -> torch.dtype | None:
