@@ -236,3 +236,21 @@ def test_untrace_names_the_arguments_as_sdpa_does():
     (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert node.target is torch.nn.functional.scaled_dot_product_attention
     assert node.args == (q, k, v) and node.kwargs == {"attn_mask": m, "is_causal": True, "scale": 0.5}
+
+
+def test_untrace_reaches_subgraphs():
+    import torch.fx as fx
+
+    inner = fx.Graph()
+    q, k, v = (inner.placeholder(n) for n in "qkv")
+    inner.output(inner.call_function(tracing_sdpa._TRACED.default, (q, k, v)))
+    outer = torch.nn.Module()
+    outer.body = fx.GraphModule(torch.nn.Module(), inner)
+    graph = fx.Graph()
+    graph.output(graph.call_module("body", tuple(graph.placeholder(n) for n in "qkv")))
+    gm = fx.GraphModule(outer, graph)
+    assert tracing_sdpa.untrace(gm) == 1
+    (node,) = [n for n in gm.body.graph.nodes if n.op == "call_function"]
+    assert node.target is torch.nn.functional.scaled_dot_product_attention
+    x = torch.randn(1, 2, 3, 4)
+    torch.testing.assert_close(gm(x, x, x), torch.nn.functional.scaled_dot_product_attention(x, x, x))

@@ -136,21 +136,25 @@ _POSITIONAL = [a.name for a in _ATEN._schema.arguments if not a.kwarg_only]
 
 
 def untrace(gm: fx.GraphModule) -> int:
-    """Turns every stand-in node of gm back into the F.scaled_dot_product_attention call it was
-    (arguments as SDPA's signature names them, defaults left out); returns how many."""
+    """Turns every stand-in node of gm, and of the subgraphs it holds (a higher-order op's), back
+    into the F.scaled_dot_product_attention call it was (arguments as SDPA's signature names them,
+    defaults left out); returns how many."""
     count = 0
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (_TRACED, _TRACED.default):
-            continue
-        named = dict(zip(_POSITIONAL, node.args))
-        named.update(node.kwargs)
-        args = tuple(named.pop(name) for name in _POSITIONAL[:3])
-        kwargs = {name: v for name, v in named.items()
-                  if isinstance(v, fx.Node) or name not in _DEFAULTS or v != _DEFAULTS[name]}
-        node.target, node.args, node.kwargs = _SDPA, args, kwargs
-        count += 1
-    if count:
-        gm.recompile()
+    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        found = 0
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or node.target not in (_TRACED, _TRACED.default):
+                continue
+            named = dict(zip(_POSITIONAL, node.args))
+            named.update(node.kwargs)
+            args = tuple(named.pop(name) for name in _POSITIONAL[:3])
+            kwargs = {name: v for name, v in named.items()
+                      if isinstance(v, fx.Node) or name not in _DEFAULTS or v != _DEFAULTS[name]}
+            node.target, node.args, node.kwargs = _SDPA, args, kwargs
+            found += 1
+        if found:
+            graph_module.recompile()
+        count += found
     return count
 
 
