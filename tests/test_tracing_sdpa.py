@@ -254,3 +254,21 @@ def test_untrace_reaches_subgraphs():
     assert node.target is torch.nn.functional.scaled_dot_product_attention
     x = torch.randn(1, 2, 3, 4)
     torch.testing.assert_close(gm(x, x, x), torch.nn.functional.scaled_dot_product_attention(x, x, x))
+
+
+def test_the_stand_in_follows_sdpa_under_autocast():
+    """Under torch.autocast SDPA runs its floating inputs in the autocast dtype: the stand-in's output
+    has the same dtype and values (a trace reads its dtype from there)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    mask = torch.randn(2, 1, 5, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.transfuse.traced_sdpa(q, k, v, attn_mask=mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        fake_mode = torch._subclasses.FakeTensorMode()
+        with fake_mode:
+            fq, fk, fv, fm = (fake_mode.from_tensor(t) for t in (q, k, v, mask))
+            fake = torch.ops.transfuse.traced_sdpa(fq, fk, fv, attn_mask=fm)
+    assert want.dtype == torch.bfloat16  # the test means something: autocast casts SDPA
+    assert got.dtype == fake.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)

@@ -127,8 +127,30 @@ def _autograd(*args, **kwargs):
         return torch.ops.transfuse.traced_sdpa.default(*args, **kwargs)
 
 
+def _autocast_kernel(device_type: str, key):
+    """SDPA's autocast rule (lower_precision_fp): under torch.autocast its floating tensors, the mask
+    too, run in the autocast dtype, so the output has that dtype; the stand-in states the same (Llama's
+    rotary leaves q and k in fp32 on an autocast model, and SDPA still gives bf16)."""
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(a):
+            if (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                    and a.device.type == device_type):
+                return a.to(dtype)
+            return a
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.ops.transfuse.traced_sdpa.default(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
+    return kernel
+
+
 _LIB.impl("traced_sdpa", _eager, "CompositeExplicitAutograd")
 _LIB.impl("traced_sdpa", _autograd, "Autograd")
+for _device_type, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
+    if hasattr(torch._C.DispatchKey, _key):
+        _LIB.impl("traced_sdpa", _autocast_kernel(_device_type, getattr(torch._C.DispatchKey, _key)), _key)
 torch.library.register_fake("transfuse::traced_sdpa", _fake, lib=_LIB)
 _TRACED = torch.ops.transfuse.traced_sdpa
 _DEFAULTS = {a.name: a.default_value for a in _ATEN._schema.arguments if a.has_default_value()}
