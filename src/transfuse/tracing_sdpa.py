@@ -1,35 +1,37 @@
-"""While Dynamo traces a transfuse forward: only torch's math SDPA is enabled, and the model's own
-Dynamo settings apply (`inside_forward`'s settings: optimize()'s automatic_dynamic_shapes off and
-backed_size_oblivious on, read by a trace alone, so a call that does not trace pays nothing for them).
+"""While Dynamo traces a transfuse forward: SDPA that makes no kernel choice (a stand-in op, or only
+torch's math SDPA), and the model's own Dynamo settings (`inside_forward`'s settings: optimize()'s
+automatic_dynamic_shapes off and backed_size_oblivious on, read by a trace alone, so a call that does
+not trace pays nothing for them).
 
 Dynamo runs each `F.scaled_dot_product_attention` on fake tensors to learn its output's shape. On
 CUDA that call first picks a kernel (cuDNN, flash, memory-efficient), and the tests it makes on
 the sizes become guards on the symbolic sizes: bert-base traced again for its first batch of one,
 on `input_ids.size()[0] != 1` (H200, torch 2.11, bench/recompile_probe.py), although transfuse
-replaces the attention and never runs the kernel chosen. With only the math backend enabled the
-choice makes no test. The user's flags are restored as soon as the
-trace reaches transfuse's backend, so that the passes, and any SDPA transfuse leaves in the graph,
-see the user's choice; nothing changes for other torch.compile users in the process (the switch
-is made only inside a transfuse forward, on its own thread). Through `torch.compile(model,
-backend="transfuse")` Dynamo traces before transfuse is called: there the choice runs as it is.
+replaces the attention and never runs the kernel chosen. The test that guards is the mask's:
+`mask.size(0) == 1 || mask.size(0) == batch` (check_attn_mask_shape,
+aten/src/ATen/native/transformers/sdp_utils_cpp.h), which evaluates the symbolic batch against 1
+first. Torch 2.13 rewrote it to compare symbolically and never guard (its shipped header).
 
-The test that guards is the mask's: `mask.size(0) == 1 || mask.size(0) == batch`
-(check_attn_mask_shape, aten/src/ATen/native/transformers/sdp_utils_cpp.h), which evaluates the
-symbolic batch against 1 first. Torch 2.13 rewrote it to compare symbolically and never guard
-(its shipped header), so the switch is only needed before 2.13. It has a price: the math path
-gives the trace more fake-tensor work (bert-base's Dynamo compile 2.4 -> 3.0 s on the development
-CPU; get_fake_value +0.65-1.05 s on the H200, 2026-11-29) against a whole second trace (4-5 s there)
-when the first batch of one comes. 
-A trace without gradients does better still: `F.scaled_dot_product_attention` itself is
-`torch.ops.transfuse.traced_sdpa` while it runs, an op of the same schema whose fake
-implementation only states the output's shape (no kernel choice, so no guard, and no decomposition
-to run on fake tensors), and transfuse's backend turns each such node back into the SDPA call it
-was (`untrace`) before anything reads the graph. bert-base's SDPA calls took 1.37 s of fake-tensor
-work on the math path, 0.15 s as they are and 0.10 s this way (development CPU, torch 2.13,
-2026-12-01, bench/trace_sdpa_cost.py); its warm first call on an H200 4.1-6.4 s against 5.3-8.2 s
-with math-only SDPA (alternating processes, bench/results/*-first-call-ab-session39.log). Code that bound the function at import (`from torch.nn.functional import
-scaled_dot_product_attention`) still meets the math backend. The op is visible to every thread
-while a trace runs, so it computes what SDPA computes, autograd included (it calls SDPA).
+In a trace without gradients `F.scaled_dot_product_attention` itself is `torch.ops.transfuse.traced_sdpa`
+while the trace runs: an op of SDPA's schema whose fake implementation states the output's shape and
+the size equalities SDPA's checks give (no kernel choice, so no guard, and no decomposition to run on
+fake tensors), with SDPA's autocast rule; transfuse's backend turns each such node back into the
+SDPA call it was (`untrace`) before anything reads the graph. bert-base's SDPA calls took 1.37 s of
+fake-tensor work on the math path, 0.15 s as they are and 0.10 s this way (development CPU, torch
+2.13, 2026-12-01, bench/trace_sdpa_cost.py); its warm first call on an H200 4.1-6.4 s against
+5.3-8.2 s with math-only SDPA (alternating processes, bench/results/*-first-call-ab-session39.log).
+The op is visible to every thread while a trace runs, so it computes what SDPA computes, autograd
+included (it calls SDPA).
+
+Elsewhere (traces with gradients, code that bound the function at import: `from
+torch.nn.functional import scaled_dot_product_attention`) only the math backend is enabled on CUDA
+under torch < 2.13, so the choice makes no test. Its price is more fake-tensor work (get_fake_value
++0.65-1.05 s on the H200, 2026-11-29) against a whole second trace (4-5 s there) when the first
+batch of one comes. The user's flags and function are restored as soon as the trace reaches
+transfuse's backend, so that the passes, and any SDPA transfuse leaves in the graph, see the user's
+choice; nothing changes for other torch.compile users in the process (the switch is made only inside
+a transfuse forward). Through `torch.compile(model, backend="transfuse")` Dynamo traces before
+transfuse is called: there SDPA runs as it is.
 
 TRANSFUSE_TRACE_SDPA=auto (the default): the stand-in in traces without gradients, and math-only
 SDPA on a machine with CUDA under torch < 2.13; =math: math-only SDPA in every trace and no
