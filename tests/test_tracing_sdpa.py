@@ -272,3 +272,49 @@ def test_the_stand_in_follows_sdpa_under_autocast():
     assert want.dtype == torch.bfloat16  # the test means something: autocast casts SDPA
     assert got.dtype == fake.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+def test_overlapping_traces_on_two_threads_leave_the_users_state(monkeypatch):
+    """Two threads' traces overlap (two optimized models, a thread each): the first to start saves the
+    user's SDPA flags, function and Dynamo settings, the last to end puts them back. Saved per thread,
+    the second would have saved the first one's changes as the user's and kept them for good."""
+    import threading
+
+    monkeypatch.setenv(tracing_sdpa.ENV, "math")  # the flags switch too, not only the stand-in
+    monkeypatch.setattr(tracing_sdpa, "stand_in_enabled", lambda: True)
+    tracing_sdpa.install()
+    user_flags, user_dynamic = _user_flags(), torch._dynamo.config.automatic_dynamic_shapes
+    settings = [(torch._dynamo.config, {"automatic_dynamic_shapes": not user_dynamic})]
+    order = threading.Barrier(2)
+    seen, errors = {}, []
+
+    def trace(name, first):
+        try:
+            with tracing_sdpa.inside_forward(settings), torch.no_grad():
+                # a starts, b starts, a ends, b ends
+                if not first:
+                    order.wait()
+                tracing_sdpa._on_compile_start()
+                seen[name] = (torch.nn.functional.scaled_dot_product_attention, _user_flags())
+                if first:
+                    order.wait()
+                order.wait()
+                if not first:
+                    order.wait()
+                tracing_sdpa._on_compile_end()
+                if first:
+                    order.wait()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trace, args=("a", True)), threading.Thread(target=trace, args=("b", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    math_only = {name: name == "math_sdp" for name in user_flags}
+    assert seen["a"] == seen["b"] == (tracing_sdpa._TRACED, math_only)
+    assert torch.nn.functional.scaled_dot_product_attention is tracing_sdpa._SDPA
+    assert _user_flags() == user_flags
+    assert torch._dynamo.config.automatic_dynamic_shapes == user_dynamic

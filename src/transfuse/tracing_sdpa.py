@@ -221,20 +221,20 @@ def _set(flags: dict[str, bool]) -> None:
 def _on_compile_start(*_args) -> None:
     if getattr(_local, "depth", 0) == 0:
         return
-    if getattr(_local, "saved", None) is None and enabled():
-        _local.saved = _flags()
-        _set({name: name == "math_sdp" for name in _local.saved})
-    if getattr(_local, "replaced", None) is None and not torch.is_grad_enabled() and stand_in_enabled():
-        _local.replaced = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = _TRACED
+    taken = _local.__dict__.setdefault("sdpa_taken", [])
+    if not taken:
+        if enabled():
+            flags = _flags()
+            taken.append(_take("flags", _flags, _set, {name: name == "math_sdp" for name in flags}))
+        if not torch.is_grad_enabled() and stand_in_enabled():
+            taken.append(_take("sdpa", _sdpa_function, _set_sdpa_function, _TRACED))
     stack = getattr(_local, "settings", ())
-    if stack and getattr(_local, "settings_saved", None) is None:
-        saved = []
+    settings_taken = _local.__dict__.setdefault("settings_taken", [])
+    if stack and not settings_taken:
         for module, changes in stack[-1]:  # the innermost forward's
             for name, value in changes.items():
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, value)
-        _local.settings_saved = saved
+                settings_taken.append(_take((id(module), name), lambda m=module, n=name: getattr(m, n),
+                                            lambda v, m=module, n=name: setattr(m, n, v), value))
 
 
 def _on_compile_end(*_args) -> None:
@@ -244,24 +244,52 @@ def _on_compile_end(*_args) -> None:
 
 
 def _restore_settings() -> None:
-    saved = getattr(_local, "settings_saved", None)
-    if saved is not None:
-        _local.settings_saved = None
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
+    _give_back_all(getattr(_local, "settings_taken", None))
 
 
 def restore(*_args) -> None:
     """The user's SDPA flags and function back (transfuse's backend calls it first; Dynamo's compile
     end does too)."""
-    replaced = getattr(_local, "replaced", None)
-    if replaced is not None:
-        _local.replaced = None
-        F.scaled_dot_product_attention = replaced
-    saved = getattr(_local, "saved", None)
-    if saved is not None:
-        _local.saved = None
-        _set(saved)
+    _give_back_all(getattr(_local, "sdpa_taken", None))
+
+
+# Process-wide state (torch's SDPA flags, F.scaled_dot_product_attention, Dynamo's config) that
+# traces on several threads may change at once: the first to take a key saves the value there, the
+# last to give it back puts that value back. Saving per thread, a second trace would save the first
+# one's change as the user's and restore it for good.
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict = {}  # key -> [holders, the value before the first, write]
+
+
+def _take(key, read, write, value):
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is None:
+            entry = _SHARED[key] = [0, read(), write]
+        entry[0] += 1
+        write(value)
+    return key
+
+
+def _give_back_all(taken: list | None) -> None:
+    if not taken:
+        return
+    with _SHARED_LOCK:
+        for key in reversed(taken):
+            entry = _SHARED[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _SHARED[key]
+                entry[2](entry[1])
+    taken.clear()
+
+
+def _sdpa_function():
+    return F.scaled_dot_product_attention
+
+
+def _set_sdpa_function(function) -> None:
+    F.scaled_dot_product_attention = function
 
 
 def install() -> None:
