@@ -22,7 +22,7 @@ from transfuse.passes.manager import PassContext, Rejection, run_passes
 from transfuse.passes.padding import plan_padding
 from transfuse.report import GraphRecord, compute_flops
 from transfuse.runtime.buckets import BucketPolicy, PaddedRunner
-from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphPool, first_line
+from transfuse.runtime.cuda_graphs import AddressCheck, CudaGraphRunner, GraphCache, GraphPool, first_line
 from transfuse.runtime.instances import Instances, pristine_copy
 from transfuse.runtime.training_graphs import TrainingGraphs
 from transfuse.runtime.weights import MergedWeights
@@ -179,6 +179,8 @@ class Backend:
         # and shape, or the graph is compiled afresh.
         params = [(i, example_inputs[i].dtype, example_inputs[i].device, example_inputs[i].shape) for i in static]
         addresses = AddressCheck(example_inputs, static)
+        if isinstance(runner, GraphCache):
+            runner.param_check = addresses  # its graphs rely on this check (GraphCache.param_check)
         owners = instances.owners(example_inputs) if instances is not None else None
 
         # Dynamo keeps every backend alive for the life of the process (torch._dynamo.eval_frame's
@@ -208,6 +210,8 @@ class Backend:
                 # through the graph's ops (ours have backward formulas).
                 out = runner(*args)
                 return attach_returned_logits(out, args, returned_logits) if returned_logits else out
+            if not torch.is_grad_enabled():  # the caller's no_grad / inference_mode: no second context
+                return runner(*args)
             with torch.no_grad():
                 return runner(*args)
 

@@ -190,6 +190,20 @@ def test_triton_timed_only_for_few_rows(measure_all, monkeypatch):
         assert timed_triton == (m_bucket <= gemm_ops.TRITON_MAX_ROWS or measure_all), (m_bucket, seen)
 
 
+def test_gated_units_timed_against_triton_at_every_size(monkeypatch):
+    """A gated unit (SwiGLU) is timed against Triton above TRITON_MAX_ROWS too: cuBLAS runs it as a GEMM
+    and two elementwise kernels, and Triton's one kernel can win there (Llama's gate_up at 2,048 rows)."""
+    monkeypatch.delenv(gemm_ops.MEASURE_ALL_ENV, raising=False)
+    seen = {}
+    monkeypatch.setattr(gemm_ops, "_gpu_times_ms", lambda c, d: seen.update(c) or {n: 1.0 for n in c})
+    x = torch.randn(5, 40)
+    w = torch.randn(48, 40) * 40**-0.5
+    key = GemmKey(4 * gemm_ops.TRITON_MAX_ROWS, 24, 40, "float32", "silu_mul", False, False)
+    choice = gemm_ops._measure(key, x, w, None, "silu_mul", None)
+    assert any(n.startswith("triton") for n in seen) and "torch" in seen, seen
+    assert choice.backend == "torch"  # a tie goes to cuBLAS (MARGIN)
+
+
 @pytest.mark.parametrize("rows,expected", [(1, "gemv"), (2, "gemv"), (3, "few_rows"), (16, "few_rows"),
                                            (32, "few_rows"), (33, None)])
 def test_decode_kernels_timed_by_row_count(rows, expected, monkeypatch):

@@ -221,7 +221,7 @@ class _FakeGraph:
 
     captures = 0
 
-    def __init__(self, fn, args, static_indices, pool):
+    def __init__(self, fn, args, static_indices, pool, checked=()):
         _FakeGraph.captures += 1
         self.inputs = [(i, a.clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_indices]
         self.args = list(args)
@@ -495,3 +495,48 @@ def test_key_lengths_written_when_they_change_and_always_inside_a_callers_graph(
         (runner,) = _runners(model)
         assert (runner._key_len_written is None) == (i >= 4)
     assert _traces(model) == 1
+
+
+class _AddressCheckingGraph(_FakeGraph):
+    """_FakeGraph with the real capture's address rule: it checks its static inputs' addresses at
+    every lookup, except those its runner's parameter check covers (`checked`)."""
+
+    def __init__(self, fn, args, static_indices, pool, checked=()):
+        super().__init__(fn, args, static_indices, pool)
+        self.watched = [i for i in static_indices if i not in set(checked)]
+        self.ptrs = [args[i].data_ptr() for i in self.watched]
+
+    def still_valid(self, args):
+        return [args[i].data_ptr() for i in self.watched] == self.ptrs
+
+
+def test_a_moved_parameter_recaptures_the_graph(monkeypatch):
+    """Through the optimized model, graphs faked on the CPU: the backend checks the parameters'
+    addresses once per call and its runner's graphs rely on that check (GraphCache.param_check). A
+    repeated shape replays; a parameter whose storage moved (`p.data = ...`, as load_state_dict's
+    copy never does but a user's assignment does) is captured again, and the call gives eager's
+    result with the new values."""
+    import transfuse.backend as backend
+    import transfuse.runtime.buckets as buckets
+    from transfuse.runtime import precompile
+
+    monkeypatch.setenv(precompile.ENV, "0")
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.setattr(backend, "_graph_safe", lambda gm, example_inputs: True)
+    monkeypatch.setattr(buckets, "_Captured", _AddressCheckingGraph)
+    _FakeGraph.captures = 0
+    model = BERT.build("sdpa")
+    transfuse.optimize(model)
+    inputs = _random_inputs(model.config.vocab_size, 2, 9, random.Random(5))
+    with torch.no_grad():
+        model(**inputs)
+        model(**inputs)
+        assert _FakeGraph.captures == 1  # captured at its first call, replayed at the second
+        norm = model.encoder.layer[1].output.LayerNorm
+        norm.weight.data = norm.weight.data * 1.5 + 0.25
+        out = model(**inputs).last_hidden_state
+        ref = model.forward.__wrapped__(**inputs).last_hidden_state
+    assert _FakeGraph.captures == 2
+    assert rel_err(out, ref) < 1e-5
+    (runner,) = _runners(model)
+    assert runner.param_check is not None and runner.param_check.epoch == 2

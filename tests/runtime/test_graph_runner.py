@@ -10,7 +10,7 @@ from transfuse.runtime.cuda_graphs import CudaGraphRunner, GraphPool
 class _FakeCaptured:
     made: list = []
 
-    def __init__(self, fn, args, static_indices, pool, written=()):
+    def __init__(self, fn, args, static_indices, pool, written=(), checked=()):
         _FakeCaptured.made.append(tuple(args[0].shape))
 
     def still_valid(self, args):
@@ -40,7 +40,7 @@ class _CopyingCapture:
     (filled at every replay), the warm-up runs on copies of the inputs the graph writes, and a
     replay re-runs the function on the buffers and on the caller's in-place inputs."""
 
-    def __init__(self, fn, args, static_indices, pool, written=()):
+    def __init__(self, fn, args, static_indices, pool, written=(), checked=()):
         self.fn, self.static = fn, list(static_indices)
         self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.static]
         self.args = list(args)
@@ -145,7 +145,7 @@ def test_part_of_callers_graph_runs_the_kernels_directly(monkeypatch):
 class _RefusedCapture:
     tries = 0
 
-    def __init__(self, fn, args, static_indices, pool, written=()):
+    def __init__(self, fn, args, static_indices, pool, written=(), checked=()):
         _RefusedCapture.tries += 1
         raise cuda_graphs.CaptureFailed("RuntimeError: Cannot copy between CPU and CUDA tensors during capture")
 

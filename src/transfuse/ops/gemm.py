@@ -94,7 +94,10 @@ _DRY_RUN_CHOICE = GemmChoice("torch", note="precompile dry run")
 # Row buckets above this are not timed against Triton: on the H100 and H200 (2026-11-21/22,
 # bench/results/*profile-compare*, *encoder*) cuBLAS won every bert-base GEMM from 128 rows up, with or
 # without an epilogue to fuse, and each Triton candidate costs a compile per row regime and epilogue
-# (0.6-0.8 s with an empty cache) while a new input shape waits. TRANSFUSE_GEMM_MEASURE_ALL=1 times
+# (0.6-0.8 s with an empty cache) while a new input shape waits. Gated units (SwiGLU, GeGLU) are the
+# exception, timed at every size: cuBLAS runs them as a GEMM and two elementwise kernels over the
+# (M, 2N) intermediate, and Triton's one kernel won Llama-1.1B's gate_up at 2,048 rows (176.9 against
+# 199.6 us) and tied at 512 (H200, bench/results/*gemm-tma-sweep2-session40.log). TRANSFUSE_GEMM_MEASURE_ALL=1 times
 # Triton at every size (another GPU may differ); TRANSFUSE_GEMM_BACKEND=triton forces it.
 TRITON_MAX_ROWS = kernels.SMALL_M_MAX
 MEASURE_ALL_ENV = "TRANSFUSE_GEMM_MEASURE_ALL"
@@ -262,7 +265,7 @@ def _candidates(key: GemmKey, x, weight, bias, activation, residual) -> tuple[di
     # seconds). The fixed tile is compiled once per regime and epilogue.
     tile = kernels.fixed_tile(M, kernels.is_gated(activation), x.element_size())
     splits = sorted({1, kernels.default_split_k(M, key.n, key.k, x.device)})
-    if key.m_bucket > TRITON_MAX_ROWS and not os.environ.get(MEASURE_ALL_ENV):
+    if key.m_bucket > TRITON_MAX_ROWS and not os.environ.get(MEASURE_ALL_ENV) and not kernels.is_gated(activation):
         splits = []  # cuBLAS only, see TRITON_MAX_ROWS
     for split in splits:
         candidates[f"triton/split_k={split}"] = (

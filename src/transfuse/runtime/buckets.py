@@ -208,7 +208,8 @@ class PaddedRunner(GraphCache):
             padded = self._padded_args(args, real, target)
             if self.precompiled is None and not self.capture_failed:  # first bucket's kernels, at the second every bucket's
                 self._precompile(args, padded, target, every_bucket=bool(self.graphs))
-            captured = self.capture(lambda: _Captured(self.fn, padded, self.static_indices, self.pool))
+            captured = self.capture(lambda: _Captured(self.fn, padded, self.static_indices, self.pool,
+                                                      checked=self.checked_by_caller()))
             if captured is None:  # capture refused (see GraphCache.capture): the kernels as they are
                 self.uncaptured_calls += 1
                 return self._slice_outputs(self.fn(*padded), real, target, clone=False)

@@ -91,13 +91,16 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class AddressCheck:
-    """Whether the tensors at `indices` of an argument list still have the addresses they had."""
+    """Whether the tensors at `indices` of an argument list still have the addresses they had.
+    `epoch` counts the resets: a graph captured in an epoch has that epoch's addresses."""
 
     def __init__(self, args, indices: list[int]):
         self.indices = list(indices)
+        self.epoch = 0
         self.reset(args)
 
     def reset(self, args) -> None:
+        self.epoch += 1
         self.ptrs: list = [None] * len(args)
         for i in self.indices:
             self.ptrs[i] = args[i].data_ptr()
@@ -121,9 +124,14 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 class _Captured:
-    def __init__(self, fn, args, static_indices, pool: GraphPool, written=()):
+    """One captured graph. `checked`: static inputs whose addresses the caller checks itself before
+    every call (the backend's parameter check, see GraphCache.param_check); the graph checks the
+    rest (inputs written in place)."""
+
+    def __init__(self, fn, args, static_indices, pool: GraphPool, written=(), checked=()):
         self.static_indices = static_indices
-        self.addresses = AddressCheck(args, static_indices)
+        checked = set(checked)
+        self.addresses = AddressCheck(args, [i for i in static_indices if i not in checked])
         self.inputs = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and i not in static_indices:
@@ -182,11 +190,26 @@ class GraphCache:
         self.wasted = 0  # graphs evicted without a replay
         self.too_many = False  # the cache thrashed (see store): no more captures
         self.capture_failed: str | None = None  # why a capture was refused: no more captures
+        # The backend's check of the parameters' addresses, run before every call of this runner
+        # (backend.py's compiled()): a graph captured in its current epoch reads parameters where
+        # they are, so lookup() compares one number instead of every parameter's address again
+        # (bert-base: ~200 of them, a second C call over the list per call). None: each graph
+        # checks all of its static inputs itself.
+        self.param_check: AddressCheck | None = None
+        self.epochs: dict = {}  # key -> param_check's epoch when its graph was captured
+
+    def checked_by_caller(self) -> list[int]:
+        """The static inputs param_check covers (what _Captured need not check again)."""
+        return self.param_check.indices if self.param_check is not None else []
 
     def lookup(self, key, args):
         """The graph for key, still valid for args (parameters not moved), or None."""
         captured = self.graphs.get(key)
-        if captured is None or not captured.still_valid(args):
+        if captured is None:
+            return None
+        if self.param_check is not None and self.epochs.get(key) != self.param_check.epoch:
+            return None  # parameters moved since its capture (re-captured by the caller)
+        if not captured.still_valid(args):
             return None
         self.graphs.move_to_end(key)
         self.hits[key] = self.hits.get(key, 0) + 1
@@ -220,8 +243,10 @@ class GraphCache:
         self.graphs[key] = captured
         self.graphs.move_to_end(key)
         self.hits[key] = 0
+        self.epochs[key] = self.param_check.epoch if self.param_check is not None else None
         while len(self.graphs) > self.max_graphs:
             old, _ = self.graphs.popitem(last=False)
+            self.epochs.pop(old, None)
             self.evicted += 1
             # Evicted before its first replay: more distinct shapes come round than the cap holds
             # (generate() called again over a dynamic cache: 128 token lengths, each once per call).
@@ -267,7 +292,8 @@ class CudaGraphRunner(GraphCache):
         if captured is None:
             if key not in self.graphs and self.run_without_graph(key):
                 return self.fn(*args)  # fresh outputs: nothing static to protect
-            captured = self.capture(lambda: _Captured(self.fn, args, self.in_place, self.pool, self.written))
+            captured = self.capture(lambda: _Captured(self.fn, args, self.in_place, self.pool, self.written,
+                                                      checked=self.checked_by_caller()))
             if captured is None:
                 self.uncaptured_calls += 1
                 return self.fn(*args)
