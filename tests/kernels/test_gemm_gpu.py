@@ -12,7 +12,7 @@ import torch
 
 import transfuse.ops.gemm as gemm_ops
 from tests.kernels.linear_cases import assert_within_torch_error_gpu, capture, gpu_problem
-from transfuse.kernels.gemm import ACTIVATIONS, linear_fwd, m_bucket
+from transfuse.kernels.gemm import ACTIVATIONS, is_gated, linear_fwd, m_bucket
 from transfuse.ops.gemm import GemmKey, gemm_choices, set_gemm_backend
 from transfuse.reference.gemm import linear_ref
 
@@ -70,14 +70,17 @@ def test_op_dispatched(case, M):
     key = GemmKey(m_bucket(M), N, K, "float16", act, has_bias, has_res)
     choice = gemm_choices()[key]
     assert choice.measured and choice.backend in ("triton", "few_rows", "torch", "torch_lt")
-    if key.m_bucket > gemm_ops.TRITON_MAX_ROWS and not gemm_ops.cublaslt_epilogue_applies(args[0], args[2], act):
+    gated = is_gated(act)
+    if (key.m_bucket > gemm_ops.TRITON_MAX_ROWS and not gated
+            and not gemm_ops.cublaslt_epilogue_applies(args[0], args[2], act)):
         # cuBLAS alone: nothing to choose between, so nothing is timed (ops/gemm._measure)
         assert (choice.backend, choice.times_ms, choice.note) == ("torch", {}, "the only candidate")
         return
     assert "torch" in choice.times_ms
-    # Triton is timed up to TRITON_MAX_ROWS rows only (cuBLAS won every larger bucket measured), the
-    # few-rows kernel up to its 16
-    assert any(name.startswith("triton") for name in choice.times_ms) == (key.m_bucket <= gemm_ops.TRITON_MAX_ROWS)
+    # Triton is timed up to TRITON_MAX_ROWS rows (cuBLAS won every larger bucket measured), at every
+    # size for a gated unit; the few-rows kernel up to its 16
+    assert any(name.startswith("triton") for name in choice.times_ms) == (key.m_bucket <= gemm_ops.TRITON_MAX_ROWS
+                                                                          or gated)
     assert ("few_rows" in choice.times_ms) == (M <= 16)
     # the rule the dispatcher promises: never the slower of the two by more than the noise margin
     best_torch = min(t for n, t in choice.times_ms.items() if n in ("torch", "torch_lt"))
