@@ -44,15 +44,15 @@ _BERT_LIKE = dict(
 REGISTRY = [
     TinyModel("bert", "BertConfig", "BertModel", _BERT_LIKE, {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 7, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 5, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 5, "LayerNormLinear": 3},
         }),
     TinyModel("roberta", "RobertaConfig", "RobertaModel", dict(_BERT_LIKE, pad_token_id=1), {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 5, "ManualAttention": 2, "EvalDropout": 7, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 5, "TorchSDPA": 2, "EvalDropout": 5, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 5, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 5, "LayerNormLinear": 3},
         }, unpaddable=1),
     TinyModel("electra", "ElectraConfig", "ElectraModel", dict(_BERT_LIKE, embedding_size=32), {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 7, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 5, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 5, "LayerNormLinear": 3},
         }),
     TinyModel(
         "minilm",  # MiniLM-L12-H384: BERT with head dim 32
@@ -61,7 +61,7 @@ REGISTRY = [
         dict(_BERT_LIKE, hidden_size=64, num_attention_heads=2, intermediate_size=96),  # 384 / 12 heads
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 7, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 5, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 9, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 5, "LayerNormLinear": 3},
         },
     ),
     TinyModel(
@@ -71,7 +71,7 @@ REGISTRY = [
         dict(dim=32, n_layers=LAYERS, n_heads=2, hidden_dim=48, vocab_size=97, max_position_embeddings=64),  # 768/6/12/3072
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 5, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 3, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 8, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 3, "LayerNormLinear": 3},
         },
     ),
     TinyModel(
@@ -81,7 +81,7 @@ REGISTRY = [
         dict(_BERT_LIKE, embedding_size=16),  # 128
         {
             "eager": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 10, "ResidualLayerNorm": 4, "LayerNorm": 1, "ManualAttention": 2, "EvalDropout": 5, "LayerNormLinear": 3},
-            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 10, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "EvalDropout": 3, "LayerNormLinear": 3},
+            "sdpa": {"EmbeddingLayerNorm": 1, "SiblingLinears": 2, "LinearEpilogue": 10, "ResidualLayerNorm": 4, "LayerNorm": 1, "TorchSDPA": 2, "KeyPadding": 2, "EvalDropout": 3, "LayerNormLinear": 3},
         },
     ),
 ]

@@ -33,7 +33,8 @@ FAMILIES = {
     "bart": ("BartConfig", "BartForConditionalGeneration",
              dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
                   encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, forced_eos_token_id=None, **COMMON),
-             {**ATTENTION, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1, "LayerNormLinear": 12}),
+             {**ATTENTION, "KeyPadding": 2, "EvalDropout": 16, "ResidualLayerNorm": 11, "LayerNorm": 1,
+              "LayerNormLinear": 12}),
 }
 
 

@@ -2,6 +2,7 @@
 reason) what it cannot replace exactly."""
 
 import math
+import operator
 
 import pytest
 import torch
@@ -385,3 +386,65 @@ def test_a_router_softmax_is_no_attention_candidate():
     ref, out, rewrites, rejections = eager_then_optimized(Router().eval(), torch.randn(2, 5, 16))
     assert not any(r.pattern == "ManualAttention" for r in rejections), rejections
     assert rel_err(out, ref) < 1e-6
+
+
+class PaddingMaskInside(torch.nn.Module):
+    """SDPA with a bool mask built inside the forward from an attention_mask P (batch, seq), as Hugging
+    Face's encoders build theirs: "rows" keeps the keys P keeps for every query (indexed with aranges,
+    then `&` with an always-true query test and expanded, BERT's form); "window" also keeps only keys
+    within 3 positions of the query (ModernBERT's local layers): not a row of kept keys."""
+
+    def __init__(self, variant: str, heads: int = 2, dim: int = 16):
+        super().__init__()
+        self.variant, self.heads, self.dim = variant, heads, dim
+        self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim)
+
+    def forward(self, x, attention_mask):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.heads, self.dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        batch_idx = torch.arange(b)[:, None, None, None]
+        q_idx = torch.arange(t)[None, None, :, None]
+        kv_idx = torch.arange(t)[None, None, None, :]
+        keep = attention_mask.bool()[batch_idx, kv_idx] & (q_idx >= 0)
+        if self.variant == "window":
+            keep = keep & ((q_idx - kv_idx).abs() <= 3)
+        mask = keep.expand(b, 1, t, t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
+def _padding(b: int, t: int) -> torch.Tensor:
+    p = torch.ones(b, t, dtype=torch.long)
+    p[0, t - 3:] = 0  # right padding
+    p[-1, :2] = 0  # left padding
+    return p
+
+
+def test_a_mask_that_keeps_a_row_of_keys_is_read_as_that_row():
+    """KeyPadding: the (batch, 1, 1, keys) row inside the mask's computation becomes the attention's
+    mask (proven by the compile-time probe), the broadcast over the queries is dead code, and the
+    output is eager's, padded rows and a row of no keys included."""
+    torch.manual_seed(0)
+    model = PaddingMaskInside("rows").eval()
+    x = torch.randn(3, 13, 32)
+    p = _padding(3, 13)
+    p[1] = 0  # a sequence that attends to nothing
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, p)
+    assert rewrites.get("KeyPadding") == 1 and rewrites.get("TorchSDPA") == 1, (rewrites, rejections)
+    assert rel_err(out, ref) < 1e-5
+    (gm,) = model._transfuse_state.backend.graphs
+    (attention,) = [n for n in gm.graph.nodes if "transfuse.attention." in str(n.target)]
+    mask = attention.args[3]
+    assert tuple(mask.meta["example_value"].shape[1:3]) == (1, 1)
+    assert not [n for n in gm.graph.nodes if n.target is operator.and_]  # the broadcast is gone
+
+
+def test_a_mask_that_depends_on_the_query_is_left_whole():
+    """A padding mask combined with a window around each query (probed at lengths beyond the window's
+    constant) is no row of kept keys: it stays as the model built it, and the output is eager's."""
+    torch.manual_seed(0)
+    model = PaddingMaskInside("window").eval()
+    x = torch.randn(2, 11, 32)
+    ref, out, rewrites, rejections = eager_then_optimized(model, x, _padding(2, 11))
+    assert "KeyPadding" not in rewrites and rewrites.get("TorchSDPA") == 1, (rewrites, rejections)
+    assert rel_err(out, ref) < 1e-5

@@ -66,6 +66,7 @@ class Reject(Exception):
 
 def run(ctx: PassContext) -> None:
     matches = []
+    key_rows: dict = {}  # KeyPadding: a mask -> its (batch, 1, 1, keys) row of kept keys, or None
     for node in list(ctx.gm.graph.nodes):
         k = kind(node)
         if k == "sdpa":
@@ -118,6 +119,13 @@ def run(ctx: PassContext) -> None:
             else:
                 spec.update(is_causal=True, bool_masks=[], masks=[key_mask])
                 ctx.matched("CausalKeyPadding")
+        elif not ctx.training and spec["masks"] and not spec.get("is_causal"):
+            whole = spec["masks"][0]
+            if whole not in key_rows:
+                key_rows[whole] = causal_mask.key_rows(ctx, spec)  # once per mask: every layer reads it
+            if key_rows[whole] is not None:
+                spec.update(masks=[key_rows[whole]])
+                ctx.matched("KeyPadding")
         if spec.get("dropout_p", 0.0):
             _replace_with_sdpa(ctx, spec)
             ctx.matched(DROPOUT_SDPA)

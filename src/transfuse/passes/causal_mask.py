@@ -16,7 +16,15 @@ Three forms, each proven before it is replaced:
   the attention gets is_causal and a (batch, 1, 1, T) key mask.
 
 None of them runs on inference graphs: there the mask gets a block summary once per forward, which
-skips the same blocks and also handles padding.
+skips the same blocks and also handles padding. One form is for inference graphs:
+
+* `KeyPadding` (key_rows) — a bidirectional bool mask that keeps, for every query, the keys k with
+  P[b, k] != 0: Hugging Face's encoder mask (BERT's `create_bidirectional_mask` under tracing)
+  indexes P with aranges, then broadcasts the (batch, 1, 1, keys) result over the queries with an
+  `&` of `q >= 0`. The (batch, 1, 1, keys) node inside the mask's own computation that the probe
+  proves equal to the whole mask at every query becomes the attention's mask: the kernels read one
+  row per batch (its block summary too), and the broadcast's kernels are dead code. Nothing new
+  enters the graph: the node was there, so are its inputs.
 """
 
 from __future__ import annotations
@@ -138,6 +146,52 @@ def causal_key_padding(ctx: PassContext, spec: dict) -> tuple[fx.Node, tuple[boo
     return padding, tuple(exact)
 
 
+def key_rows(ctx: PassContext, spec: dict) -> fx.Node | None:
+    """In an inference graph, the node of the spec's one bool mask's own computation that is its
+    (batch, 1, 1, keys) row of kept keys: the mask keeps, for every query, exactly the keys that
+    node keeps (module docstring); None when there is no such node or the probe cannot prove it.
+    Proven for the model input P (batch, keys) of all ones, all zeros, right and left padding and
+    random values (any nonzero value keeps a key), at sequence lengths beyond every integer constant
+    of the mask."""
+    found = _one_mask(ctx, spec, training=False)
+    if found is None or found[1] is not None:  # SDPA's own mask argument only
+        return None
+    mask, _, seq, (nodes, sizes, tensors, biggest) = found
+    meta = tensor_meta(mask)
+    probes = _probe_sizes(biggest, seq, spec)
+    if meta.dtype != torch.bool or meta.dim() != 4 or len(tensors) != 1 or probes is None:
+        return None
+    batch, keys = str(meta.shape[0]), str(meta.shape[-1])
+
+    def is_row(node):
+        m = tensor_meta(node)
+        return (m is not None and m.dtype == torch.bool and m.dim() == 4 and tuple(map(str, m.shape)) == (batch, "1", "1", keys))
+
+    candidates = [n for n in reversed(nodes) if n is not mask and is_row(n)]  # the nearest to the mask first
+    (padding,) = tensors
+    p_meta = tensor_meta(padding)
+    own = [d.node.expr if isinstance(d, torch.SymInt) else None for d in p_meta.shape]
+    if not candidates or p_meta.dim() != 2 or any(e is not None and not isinstance(e, sympy.Symbol) for e in own):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    for seq_len, other in probes:
+        shape = (other, seq_len)
+        if any(e is None and n != d for e, n, d in zip(own, shape, p_meta.shape)):
+            return None  # a static dim of P that the probe cannot vary: not proven here
+        env = _size_env(sizes, seq, seq_len, other, {e: n for e, n in zip(own, shape) if e is not None})
+        if env is None:
+            return None
+        for pattern in _padding_patterns(other, seq_len, generator):
+            env[padding] = pattern.to(dtype=p_meta.dtype, device=p_meta.device)
+            whole = _run(nodes, mask, env)
+            if not isinstance(whole, torch.Tensor) or whole.dim() != 4 or whole.shape[-2] != seq_len:
+                return None
+            candidates = [c for c in candidates if _same_at_every_query(whole, _run(nodes, c, env))]
+            if not candidates:
+                return None
+    return candidates[0]
+
+
 def key_padding_mask(padding: torch.Tensor, batch: int, keys: int, exact: tuple[bool, bool]) -> torch.Tensor:
     """The (batch, 1, 1, keys) bool mask of the keys `padding` keeps (nonzero), as the graph computes
     it in place of a CausalKeyPadding mask: P[:batch, :keys]. A dim of P that the model's own mask
@@ -151,11 +205,12 @@ def key_padding_mask(padding: torch.Tensor, batch: int, keys: int, exact: tuple[
     return (padding[:batch, :keys] != 0)[:, None, None, :]
 
 
-def _one_mask(ctx: PassContext, spec: dict) -> tuple | None:
+def _one_mask(ctx: PassContext, spec: dict, training: bool = True) -> tuple | None:
     """(the spec's one mask, keep_where (None: SDPA's mask, bool True keeps, additive 0 keeps; else
     whether the bool keeps), the sequence length (_sequence_symbol), _mask_region of the mask) in a
-    training graph whose attention has exactly one mask that the probe can run; else None."""
-    if not ctx.training or len(spec["masks"]) + len(spec["bool_masks"]) != 1:
+    training graph (an inference one with training=False) whose attention has exactly one mask that
+    the probe can run; else None."""
+    if ctx.training != training or len(spec["masks"]) + len(spec["bool_masks"]) != 1:
         return None
     if spec["masks"]:
         mask, keep_where = spec["masks"][0], None
@@ -304,3 +359,11 @@ def _is_causal(mask: torch.Tensor, seq_len: int, keep_where: bool | None, keys: 
         if keep.shape[0] != keys.shape[0]:  # the mask must follow each row's padding
             return False
     return bool((keep == expected).all())
+
+
+def _same_at_every_query(whole: torch.Tensor, row) -> bool:
+    """Whether a (batch, 1, 1, keys) bool `row` equals the (batch, heads, queries, keys) bool mask
+    `whole` at every head and query."""
+    return (isinstance(row, torch.Tensor) and row.dtype == torch.bool and row.dim() == 4
+            and row.shape[0] == whole.shape[0] and tuple(row.shape[1:3]) == (1, 1) and row.shape[-1] == whole.shape[-1]
+            and bool((whole == row).all()))

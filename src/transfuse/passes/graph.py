@@ -314,6 +314,8 @@ _PURE_METHODS = frozenset({
     "chunk", "split", "unbind", "tensor_split", "split_with_sizes",
     # row reductions that hand-written attention with sinks reads beside the softmax (passes/attention_sinks.py)
     "logsumexp", "max", "amax",
+    # what a mask replaced by its row of kept keys leaves behind (passes/causal_mask.py's KeyPadding)
+    "new_ones", "new_zeros", "bool", "long", "int",
 })
 _PURE_FUNCTIONS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.getitem,
@@ -324,6 +326,9 @@ _PURE_FUNCTIONS = frozenset({
     torch.isfinite, torch.logical_not, torch.logical_or, torch.logical_and, torch.clamp, torch.where,
     torch.chunk, torch.split, torch.unbind, torch.tensor_split,
     torch.logsumexp, torch.max, torch.amax,
+    # Hugging Face's mask functions, combined with & and | over comparisons of aranges (KeyPadding)
+    operator.and_, operator.or_, operator.invert, operator.ge, operator.gt, operator.le, operator.lt,
+    operator.eq, operator.ne,
 })
 
 
