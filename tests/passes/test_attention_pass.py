@@ -420,15 +420,18 @@ def _padding(b: int, t: int) -> torch.Tensor:
     return p
 
 
-def test_a_mask_that_keeps_a_row_of_keys_is_read_as_that_row():
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_mask_that_keeps_a_row_of_keys_is_read_as_that_row(batch):
     """KeyPadding: the (batch, 1, 1, keys) row inside the mask's computation becomes the attention's
     mask (proven by the compile-time probe), the broadcast over the queries is dead code, and the
-    output is eager's, padded rows and a row of no keys included."""
+    output is eager's, padded rows and a row of no keys included. A batch of one is traced with a
+    static batch (Dynamo keeps sizes of 1 static): the probe runs at that size."""
     torch.manual_seed(0)
     model = PaddingMaskInside("rows").eval()
-    x = torch.randn(3, 13, 32)
-    p = _padding(3, 13)
-    p[1] = 0  # a sequence that attends to nothing
+    x = torch.randn(batch, 13, 32)
+    p = _padding(batch, 13)
+    if batch > 1:
+        p[1] = 0  # a sequence that attends to nothing
     ref, out, rewrites, rejections = eager_then_optimized(model, x, p)
     assert rewrites.get("KeyPadding") == 1 and rewrites.get("TorchSDPA") == 1, (rewrites, rejections)
     assert rel_err(out, ref) < 1e-5

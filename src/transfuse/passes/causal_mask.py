@@ -175,9 +175,11 @@ def key_rows(ctx: PassContext, spec: dict) -> fx.Node | None:
         return None
     generator = torch.Generator().manual_seed(0)
     for seq_len, other in probes:
+        if own[0] is None:
+            other = p_meta.shape[0]  # a static batch (Dynamo keeps a batch of one static): the graph's own
         shape = (other, seq_len)
-        if any(e is None and n != d for e, n, d in zip(own, shape, p_meta.shape)):
-            return None  # a static dim of P that the probe cannot vary: not proven here
+        if own[1] is None and p_meta.shape[1] != seq_len:
+            return None  # static keys of P beside a dynamic sequence: not proven here
         env = _size_env(sizes, seq, seq_len, other, {e: n for e, n in zip(own, shape) if e is not None})
         if env is None:
             return None
