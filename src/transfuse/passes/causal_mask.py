@@ -35,7 +35,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import evaluate, kind, node_order, scalar, tensor_meta, value
+from transfuse.passes.graph import evaluate_all, kind, node_order, scalar, tensor_meta, value
 from transfuse.passes.manager import PassContext
 
 # The probe runs the mask at this many query positions at most (a bool T x T tensor: 64 MiB at 8192).
@@ -185,10 +185,11 @@ def key_rows(ctx: PassContext, spec: dict) -> fx.Node | None:
             return None
         for pattern in _padding_patterns(other, seq_len, generator):
             env[padding] = pattern.to(dtype=p_meta.dtype, device=p_meta.device)
-            whole = _run(nodes, mask, env)
+            values = _run_all(nodes, env)  # the mask and every candidate from one run of the region
+            whole = values.get(mask) if values is not None else None
             if not isinstance(whole, torch.Tensor) or whole.dim() != 4 or whole.shape[-2] != seq_len:
                 return None
-            candidates = [c for c in candidates if _same_at_every_query(whole, _run(nodes, c, env))]
+            candidates = [c for c in candidates if _same_at_every_query(whole, values[c])]
             if not candidates:
                 return None
     return candidates[0]
@@ -248,11 +249,15 @@ def _size_env(sizes: list[fx.Node], seq: sympy.Symbol, seq_len: int, other: int,
 
 
 def _run(nodes: list[fx.Node], mask: fx.Node, env: dict | None):
-    if env is None:
-        return None
+    values = _run_all(nodes, env) if env is not None else None
+    return values[mask] if values is not None else None
+
+
+def _run_all(nodes: list[fx.Node], env: dict) -> dict | None:
+    """The probe: every node's value (None where an op cannot run at compile time)."""
     try:
         with torch.no_grad():
-            return evaluate(nodes, mask, env)
+            return evaluate_all(nodes, env)
     except Exception:  # an op the probe cannot run at compile time: nothing is proven
         return None
 

@@ -433,6 +433,11 @@ def hint(size: Any) -> int:
 
 def evaluate(nodes: list, out: fx.Node, env: dict):
     """Run `nodes` (in graph order) on real tensors: `env` maps the region's inputs to values."""
+    return evaluate_all(nodes, env)[out]
+
+
+def evaluate_all(nodes: list, env: dict) -> dict:
+    """evaluate()'s run, every node's value: `env` with each of `nodes` added."""
     env = dict(env)
 
     def load(a):
@@ -451,7 +456,7 @@ def evaluate(nodes: list, out: fx.Node, env: dict):
             env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
             env[node] = node.target(*args, **kwargs)
-    return env[out]
+    return env
 
 
 _VIEW_METHODS = {
