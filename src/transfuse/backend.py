@@ -65,6 +65,7 @@ class Backend:
         self.merged: list[MergedWeights] = []
         self._slots: list = []  # (runner, merged weights) per compiled graph, None once released
         self.graph_calls = 0  # calls of any compiled graph: whether a failed model call ran one
+        self.compile_ids: set[str] = set()  # Dynamo's "frame/compile" of each trace this backend compiled
 
     def release(self) -> None:
         """Drops the graphs, CUDA graphs and merged weights this backend holds (the records stay,
@@ -85,6 +86,9 @@ class Backend:
         self.merged.clear()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        if compile_id is not None:  # "frame/compile", as Dynamo's guard failures name a trace (capture.py)
+            self.compile_ids.add(f"{compile_id.frame_id}/{compile_id.frame_compile_id}")
         tracing_sdpa.restore()  # the user's SDPA flags for the passes and the graph (tracing_sdpa.py)
         tracing_sdpa.untrace(gm)  # the stand-in SDPA nodes of a trace without gradients, SDPA again
         if _host_graph(gm, example_inputs):

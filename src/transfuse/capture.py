@@ -78,9 +78,11 @@ class _State:
 
         code = getattr(original, "__code__", None)
         # One reason per cached trace checked ("0/2: <guard> ..."): the newest trace's is the guard
-        # that keeps changing.
+        # that keeps changing. Other models share the code object (Hugging Face's forward wrappers)
+        # and so the list: only this model's traces count.
+        ours = set().union(*(b.compile_ids for b in self.backends))
         firsts = [f.strip().splitlines()[0] for f in guard_failures.get(code, ()) if f.strip()]
-        firsts = [ln for ln in firsts if re.match(r"\d+/\d+:", ln)]
+        firsts = [ln for ln in firsts if re.match(r"\d+/\d+:", ln) and (not ours or ln.split(":")[0] in ours)]
         last = max(firsts, key=lambda ln: int(ln.split(":")[0].split("/")[1])) if firsts else "unknown"
         self.eager_reason = (f"traced {traces} times (more than max_traces={max_traces}; a call with graph breaks "
                              f"counts once); the last guard that "

@@ -47,6 +47,25 @@ def test_static_cache_generate_matches_eager():
     assert "RotaryCacheWrite" in text  # rotary_pair + the write: one launch
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_batch_of_three_decodes_with_the_cache_written_by_the_attention(cache):
+    """From three rows a decode step's rotary + cache write runs inside the decode attention
+    (RotaryCacheAttention); with one or two the norm + Q/K/V GEMV does it. Tokens equal eager's on
+    transfuse's default cache (key_len) and on Hugging Face's StaticCache (its mask), left-padded."""
+    torch.manual_seed(0)
+    model = _lm("llama").eval()
+    ids = torch.randint(3, 97, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation=cache)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        transfuse.optimize(model)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert model._transfuse_state.backend.records[-1].rewrites["RotaryCacheAttention"] == 2
+
+
 def test_default_static_cache_is_reused_and_user_caches_are_left_alone():
     """With no cache named, generate() runs on a static cache (one shape per step: one CUDA graph),
     the same tensors from call to call while batch and length fit; a DynamicCache the user passes,

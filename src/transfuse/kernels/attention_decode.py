@@ -20,6 +20,16 @@ when given (a static cache's mask hides the unfilled tail), and cut into equal s
 so a graph captured for a 4k-key cache does work in proportion to the keys in use. Masked scores
 follow attention.py exactly: fp32 `scale * qk + mask`, exp in natural units, so rows masked with
 finfo.min everywhere give eager's uniform weights and rows of -inf give 0 or NaN as asked.
+
+Fused rotary + cache write (`rotary=`, ops/rotary_cache_attention.py): a decode step's new keys and
+values arrive unrotated from the Q/K/V linear with their position `start` (a device int), instead of
+written into the cache by a kernel of their own (rotary_kv_cache_write, ~3 us a layer at batch 8).
+Each program rotates its query rows on loading (kernels/rotary.py's fp32 helper, rounded once to q's
+dtype, as the separate kernel rounds them), and rotates the group's new keys in registers; split 0
+stores them and the values into the cache at start..start+n-1 (positions < L), the split whose share
+holds a new position attends to it from registers, and the cache loop skips those positions (no
+program reads a row another one writes). The key set is the unfused one; only the order in which
+the new keys join the online softmax differs (fp32 rounding).
 """
 
 import os
@@ -29,6 +39,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, wait_for_previous_kernel
+from transfuse.kernels.rotary import _broadcast_strides, _rotate
 
 # The query rows one program stacks (kv_group x seqlen_q), and the most per head (a decode step has
 # one; speculative decoding a few): beyond these the prefill kernel's tiles and mask skipping win.
@@ -37,6 +48,8 @@ MAX_QUERY_ROWS = 8
 # Fewest keys worth a split of their own: below this the combine costs more than the split saves.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
+# Rows of the new-keys block of a fused rotary write (a tl.dot side is at least 16; n <= MAX_QUERY_ROWS).
+_NEW_ROWS = 16
 
 
 @triton.jit
@@ -58,42 +71,91 @@ def normalized_rows(acc, l_i, m_i, sink, HAS_SINKS: tl.constexpr, MASKED_ROWS_ZE
 
 
 @triton.jit
-def _decode_blocks(acc, l_i, m_i, q, k_base, v_base, mask_rows, start, end, offs_n, offs_d, offs_dv, row_ok, d_ok,
-                   dv_ok, stride_k_seq, stride_v_seq, stride_mask_k, scale, APPLY_MASK: tl.constexpr,
-                   MASK_IS_BOOL: tl.constexpr, LOAD_AS_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Keys [start, end) in blocks of BLOCK_N into the running (acc, l_i, m_i): scores in natural
-    units, fp32 `scale * qk + mask` (attention.py's numerics for finfo.min masks)."""
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
+    """One key block's scores s (-inf where masked) and values v into the running (acc, l_i, m_i)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with every score -inf so far subtracts 0, not -inf: its p and l_i stay 0, not NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_sub[:, None])
+    alpha = tl.exp(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _masked_scores(s, mask_rows, cols64, row_ok, col_ok, stride_mask_k, APPLY_MASK: tl.constexpr,
+                   MASK_IS_BOOL: tl.constexpr):
+    """fp32 scale * qk (s) with the mask's columns cols64 applied, -inf where a column is not in."""
+    if APPLY_MASK:
+        mvals = tl.load(mask_rows[:, None] + cols64[None, :] * stride_mask_k,
+                        mask=row_ok[:, None] & col_ok[None, :], other=0)
+        if MASK_IS_BOOL:
+            s = tl.where(mvals != 0, s, float("-inf"))
+        else:
+            s = s + mvals.to(tl.float32)
+    return tl.where(col_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _decode_blocks(acc, l_i, m_i, q, k_base, v_base, mask_rows, start, end, skip_lo, skip_hi, offs_n, offs_d,
+                   offs_dv, row_ok, d_ok, dv_ok, stride_k_seq, stride_v_seq, stride_mask_k, scale,
+                   APPLY_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, end) but [skip_lo, skip_hi) (the new keys of a fused write, attended from
+    registers) in blocks of BLOCK_N into the running (acc, l_i, m_i): scores in natural units,
+    fp32 `scale * qk + mask` (attention.py's numerics for finfo.min masks)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        col_ok = cols < end
+        col_ok = (cols < end) & ((cols < skip_lo) | (cols >= skip_hi))
         cols64 = cols.to(tl.int64)
         k = tl.load(k_base + cols64[:, None] * stride_k_seq + offs_d[None, :],
                     mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         if LOAD_AS_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        if APPLY_MASK:
-            mvals = tl.load(mask_rows[:, None] + cols64[None, :] * stride_mask_k,
-                            mask=row_ok[:, None] & col_ok[None, :], other=0)
-            if MASK_IS_BOOL:
-                s = tl.where(mvals != 0, s, float("-inf"))
-            else:
-                s = s + mvals.to(tl.float32)
-        s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with every score -inf so far subtracts 0, not -inf: its p and l_i stay 0, not NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_sub[:, None])
-        alpha = tl.exp(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = _masked_scores(s, mask_rows, cols64, row_ok, col_ok, stride_mask_k, APPLY_MASK, MASK_IS_BOOL)
         v = tl.load(v_base + cols64[:, None] * stride_v_seq + offs_dv[None, :],
                     mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         if LOAD_AS_FP32:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _new_keys(acc, l_i, m_i, q, k_base, v_base, mask_rows, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, b64, hk64, first,
+              start, end, split, n, L, offs_d, offs_dv, row_ok, d_ok, dv_ok, stride_k_seq, stride_v_seq,
+              stride_mask_k, stride_nk_b, stride_nk_h, stride_nk_s, stride_nv_b, stride_nv_h, stride_nv_s,
+              stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, scale, HEAD_DIM: tl.constexpr,
+              APPLY_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, NEW_ROWS: tl.constexpr):
+    """A fused write's n new keys of one (batch, KV head), at cache positions first..first+n-1: rotated
+    as kernels/kv_cache.py rotates them (fp32, one rounding to the cache's dtype), stored with their
+    values by split 0 (positions < L), and attended by this program where they fall in [start, end)."""
+    j = tl.arange(0, NEW_ROWS)
+    j64 = j.to(tl.int64)
+    pos = first + j
+    exists = (j < n) & (pos < L)
+    k_ok = exists[:, None] & d_ok[None, :]
+    k_new = _rotate(new_k_ptr, cos_ptr, sin_ptr, tl.full([NEW_ROWS], 0, tl.int64) + b64,
+                    tl.full([NEW_ROWS], 0, tl.int64) + hk64, j64, k_ok, stride_nk_b, stride_nk_h, stride_nk_s,
+                    stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
+                    HEAD_DIM // 2, BLOCK_D).to(k_base.dtype.element_ty)
+    v_ok = exists[:, None] & dv_ok[None, :]
+    v_new = tl.load(new_v_ptr + b64 * stride_nv_b + hk64 * stride_nv_h + j64[:, None] * stride_nv_s + offs_dv[None, :],
+                    mask=v_ok, other=0.0).to(v_base.dtype.element_ty)
+    pos64 = pos.to(tl.int64)
+    if split == 0:
+        tl.store(k_base + pos64[:, None] * stride_k_seq + offs_d[None, :], k_new, mask=k_ok)
+        tl.store(v_base + pos64[:, None] * stride_v_seq + offs_dv[None, :], v_new, mask=v_ok)
+    if LOAD_AS_FP32:
+        k_new = k_new.to(tl.float32)
+        v_new = v_new.to(tl.float32)
+    col_ok = exists & (pos >= start) & (pos < end)
+    s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale
+    s = _masked_scores(s, mask_rows, pos64, row_ok, col_ok, stride_mask_k, APPLY_MASK, MASK_IS_BOOL)
+    return _softmax_step(acc, l_i, m_i, s, v_new, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_summary_k", "nheads", "kv_group", "nheads_kv"])
@@ -106,16 +168,25 @@ def _attention_decode_kernel(
     mask_ptr, stride_mask_batch, stride_mask_head, stride_mask_q, stride_mask_k,
     summary_ptr, stride_summary_batch, stride_summary_head,
     key_len_ptr, sinks_ptr,
+    # ROTARY (a fused rotary + cache write): the new keys and values (batch, kv heads, seqlen_q, D), the
+    # rotary tables broadcast to q's and to the new keys' shapes, the position of the first new key
+    new_k_ptr, stride_nk_batch, stride_nk_head, stride_nk_seq,
+    new_v_ptr, stride_nv_batch, stride_nv_head, stride_nv_seq,
+    cos_q_ptr, stride_cq_batch, stride_cq_head, stride_cq_seq, sin_q_ptr, stride_sq_batch, stride_sq_head, stride_sq_seq,
+    cos_k_ptr, stride_ck_batch, stride_ck_head, stride_ck_seq, sin_k_ptr, stride_sk_batch, stride_sk_head, stride_sk_seq,
+    start_ptr,
     nheads, nheads_kv, kv_group, seqlen_q, seqlen_k, num_summary_k, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_SUMMARY: tl.constexpr, SUMMARY_BLOCK_N: tl.constexpr, SUMMARY_K_POW2: tl.constexpr,
     GROUP_POW2: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr = False, NEW_ROWS: tl.constexpr = 16,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Program (batch x kv head, split): rows r = g * seqlen_q + i are query head kv_head * kv_group + g
-    at position i; keys of this split's share of the (trimmed) key range."""
+    at position i; keys of this split's share of the (trimmed) key range (with ROTARY, the new keys
+    of that share from registers; see the module docstring)."""
     wait_for_previous_kernel(PDL)
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -135,8 +206,15 @@ def _attention_decode_kernel(
     head64 = head.to(tl.int64)
     pos64 = pos.to(tl.int64)
 
-    q = tl.load(q_ptr + b64 * stride_q_batch + head64[:, None] * stride_q_head + pos64[:, None] * stride_q_seq
-                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTARY:
+        # rotary(q) as kernels/rotary.py computes it (fp32), rounded once to q's dtype
+        q = _rotate(q_ptr, cos_q_ptr, sin_q_ptr, tl.full([BLOCK_M], 0, tl.int64) + b64, head64, pos64,
+                    row_ok[:, None] & d_ok[None, :], stride_q_batch, stride_q_head, stride_q_seq,
+                    stride_cq_batch, stride_cq_head, stride_cq_seq, stride_sq_batch, stride_sq_head, stride_sq_seq,
+                    HEAD_DIM // 2, BLOCK_D).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + b64 * stride_q_batch + head64[:, None] * stride_q_head + pos64[:, None] * stride_q_seq
+                    + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if LOAD_AS_FP32:
         q = q.to(tl.float32)
 
@@ -175,9 +253,23 @@ def _attention_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    skip_lo = 0
+    skip_hi = 0
+    if ROTARY:
+        # The new keys: rotated here, stored by split 0, attended by the split whose share holds them.
+        skip_lo = tl.load(start_ptr).to(tl.int32)
+        skip_hi = skip_lo + seqlen_q
+        acc, l_i, m_i = _new_keys(
+            acc, l_i, m_i, q, k_base, v_base, mask_rows, new_k_ptr, new_v_ptr, cos_k_ptr, sin_k_ptr,
+            b64, off_hk.to(tl.int64), skip_lo, start, end, split, seqlen_q, seqlen_k, offs_d, offs_dv, row_ok, d_ok,
+            dv_ok, stride_k_seq, stride_v_seq, stride_mask_k, stride_nk_batch, stride_nk_head, stride_nk_seq,
+            stride_nv_batch, stride_nv_head, stride_nv_seq, stride_ck_batch, stride_ck_head, stride_ck_seq,
+            stride_sk_batch, stride_sk_head, stride_sk_seq, scale, HEAD_DIM, HAS_MASK, MASK_IS_BOOL, LOAD_AS_FP32,
+            DOT_PRECISION, BLOCK_D, NEW_ROWS)
     acc, l_i, m_i = _decode_blocks(
-        acc, l_i, m_i, q, k_base, v_base, mask_rows, start, end, offs_n, offs_d, offs_dv, row_ok, d_ok, dv_ok,
-        stride_k_seq, stride_v_seq, stride_mask_k, scale, HAS_MASK, MASK_IS_BOOL, LOAD_AS_FP32, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i, q, k_base, v_base, mask_rows, start, end, skip_lo, skip_hi, offs_n, offs_d, offs_dv, row_ok,
+        d_ok, dv_ok, stride_k_seq, stride_v_seq, stride_mask_k, scale, HAS_MASK, MASK_IS_BOOL, LOAD_AS_FP32,
+        DOT_PRECISION, BLOCK_N)
 
     if SPLITS == 1:
         sink = m_i  # not read without sinks
@@ -233,7 +325,7 @@ def _attention_decode_combine_kernel(
 
 
 def decode_applies(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, is_causal: bool,
-                   has_mask: bool, device: torch.device) -> bool:
+                   has_mask: bool, device: torch.device, fused_write: bool = False) -> bool:
     """Whether attention_fwd takes this kernel: a few query rows per KV group and no causal triangle
     (a decode step's causality is in its mask or key_len; top-left causal at one row sees key 0 only).
 
@@ -243,13 +335,14 @@ def decode_applies(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqle
     1 (Llama-1.1B, GPT-2: 4.2 / 4.8), while at batch 8 it took 5.5 against 4.7 and over 2k keys
     24.8 against 7.5 (H200, bench/kernels/bench_attention_decode.py, 2026-11-28). A per-block
     branch on the summary here, or a mask-free loop over the leading blocks, made long caches slower.
-    Under the interpreter every such call comes here (CPU tests cover this kernel).
-    TRANSFUSE_DECODE_ATTENTION=0 sends every call to the prefill kernel (A/B runs)."""
+    Under the interpreter every such call comes here (CPU tests cover this kernel). With
+    `fused_write` (a rotary + cache write this kernel does, saving that kernel's launch) masked calls
+    come here too. TRANSFUSE_DECODE_ATTENTION=0 sends every call to the prefill kernel (A/B runs)."""
     if os.environ.get("TRANSFUSE_DECODE_ATTENTION", "1") == "0":
         return False
     if is_causal or seqlen_q > MAX_QUERY_ROWS or seqlen_q * (nheads // nheads_kv) > MAX_ROWS:
         return False
-    if not has_mask or INTERPRET or device.type != "cuda":
+    if not has_mask or fused_write or INTERPRET or device.type != "cuda":
         return True
     return num_splits(batch * nheads_kv, seqlen_k, device) > 1 or batch * nheads > num_sms(device)
 
@@ -270,12 +363,14 @@ def num_splits(programs: int, seqlen_k: int, device: torch.device) -> int:
 
 
 def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_strides, summary_block_n, num_summary_k,
-                         key_len, sinks, scale, masked_rows_zero, splits=None):
+                         key_len, sinks, scale, masked_rows_zero, splits=None, rotary=None):
     """Fills `out` (attention_empty_out's layout); arguments already checked by attention.attention_fwd.
 
     mask_strides: the mask's strides broadcast to (batch, nheads, seqlen_q, seqlen_k) (0 where broadcast);
     summary_strides: (batch, head) strides of the int8 summary (0 where broadcast), whose blocks are
     summary_block_n keys wide (a multiple of this kernel's key block). `splits` overrides num_splits (tests).
+    `rotary`: (new_k, new_v, cos, sin, start) of a fused rotary + cache write, checked by the caller
+    (kernels.kv_cache.check_rotary_kv_cache_write_args); q is then unrotated and k, v are the cache.
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -297,6 +392,16 @@ def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_stri
         part = ml = out  # never read
     smb, smh, smq, smk = mask_strides
     ssb, ssh = summary_strides
+    if rotary is not None:
+        new_k, new_v, cos, sin, start = rotary
+        new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+        new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+        (cos_q, cq), (sin_q, sq) = _broadcast_strides(cos, q.shape), _broadcast_strides(sin, q.shape)
+        (cos_k, ck), (sin_k, sk) = _broadcast_strides(cos, new_k.shape), _broadcast_strides(sin, new_k.shape)
+        rotary_args = (new_k, *new_k.stride()[:3], new_v, *new_v.stride()[:3], cos_q, *cq, sin_q, *sq,
+                       cos_k, *ck, sin_k, *sk, start.reshape(1))
+    else:
+        rotary_args = (q, 0, 0, 0) * 6 + (q,)  # never read
     _attention_decode_kernel[(programs, splits)](
         q, q.stride(0), q.stride(1), q.stride(2),
         k, k.stride(0), k.stride(1), k.stride(2),
@@ -306,6 +411,7 @@ def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_stri
         mask if mask is not None else q, smb, smh, smq, smk,
         summary if summary is not None else q, ssb, ssh,
         key_len if key_len is not None else q, sinks if sinks is not None else q,
+        *rotary_args,
         nheads, nheads_kv, kv_group, seqlen_q, seqlen_k, num_summary_k, float(scale),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_KEY_LEN=key_len is not None, HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
@@ -315,7 +421,7 @@ def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_stri
         GROUP_POW2=next_power_of_2(kv_group), MASKED_ROWS_ZERO=bool(masked_rows_zero),
         LOAD_AS_FP32=INTERPRET or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, ROTARY=rotary is not None, NEW_ROWS=_NEW_ROWS,
         num_warps=4, num_stages=1 if INTERPRET else 3, **pdl(q),
     )
     if splits > 1:

@@ -46,6 +46,26 @@ def _check(x, weight, bias, keys, q_heads) -> tuple[int, int, int]:
     return x.shape[0], x.shape[1], D
 
 
+def qkv_heads(x, residual, norm_weight, norm_bias, eps, weight_offset, cast_before_weight, layer_norm, weight, bias,
+              keys, values, cos, sin, start, q_heads):
+    """(q, k, v, sum): where the fused kernel takes the inputs, q rotated with rotary(k) and v written
+    into the cache (k = v = None); otherwise the norm + linear alone, q, k, v its unrotated views
+    and nothing written (the caller writes them: here, or in the decode attention)."""
+    _check(x, weight, bias, keys, q_heads)
+    prologue = NormPrologue(residual, norm_weight, eps, weight_offset, cast_before_weight, norm_bias, layer_norm)
+    if ((x.is_cuda or INTERPRET) and gemm_backend() != "torch"
+            and kernels.qkv_rotary_cache_applies(x, prologue, weight, bias, keys, values, cos, sin, q_heads)):
+        q_rot, summed = kernels.qkv_rotary_cache_fwd(x, prologue, weight, bias, keys, values, cos, sin, start, q_heads)
+        return q_rot, None, None, summed
+    if layer_norm:
+        qkv, summed, _ = torch.ops.transfuse.layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, "none")
+    else:
+        qkv, summed, _ = torch.ops.transfuse.rms_norm_linear(x, residual, norm_weight, eps, weight_offset,
+                                                             cast_before_weight, weight, bias, "none")
+    q, k, v = kernels.split_heads(qkv, q_heads, keys.shape[1], keys.shape[3])
+    return q, k, v, summed
+
+
 @torch.library.custom_op("transfuse::qkv_rotary_cache_write", mutates_args=("keys", "values"))
 def qkv_rotary_cache_write(
     x: torch.Tensor,
@@ -67,17 +87,10 @@ def qkv_rotary_cache_write(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotary(q), x + residual or empty) with rotary(k) and v written into keys/values at start;
     see the module docstring."""
-    _check(x, weight, bias, keys, q_heads)
-    prologue = NormPrologue(residual, norm_weight, eps, weight_offset, cast_before_weight, norm_bias, layer_norm)
-    if ((x.is_cuda or INTERPRET) and gemm_backend() != "torch"
-            and kernels.qkv_rotary_cache_applies(x, prologue, weight, bias, keys, values, cos, sin, q_heads)):
-        return kernels.qkv_rotary_cache_fwd(x, prologue, weight, bias, keys, values, cos, sin, start, q_heads)
-    if layer_norm:
-        qkv, summed, _ = torch.ops.transfuse.layer_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, "none")
-    else:
-        qkv, summed, _ = torch.ops.transfuse.rms_norm_linear(x, residual, norm_weight, eps, weight_offset,
-                                                             cast_before_weight, weight, bias, "none")
-    q, k, v = kernels.split_heads(qkv, q_heads, keys.shape[1], keys.shape[3])
+    q, k, v, summed = qkv_heads(x, residual, norm_weight, norm_bias, eps, weight_offset, cast_before_weight,
+                                layer_norm, weight, bias, keys, values, cos, sin, start, q_heads)
+    if k is None:
+        return q, summed
     return rotary_kv_cache_write_fwd(keys, values, q, k, v, cos, sin, start), summed
 
 
