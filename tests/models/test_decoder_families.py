@@ -40,12 +40,14 @@ FAMILIES = {
 # cache). Mistral's sliding-window layers get a full-length static layer (runtime/generation.py), so
 # its step writes the cache as Llama's does; Phi-3 concatenates its (here empty) pass-through half
 # onto the rotated keys, so no rotary_pair output reaches the write. QKVRotaryCache: the norm + QKV
-# GEMV that feeds the rotary write takes it into its epilogue. RotaryCacheAttention: that write and the
-# attention reading the cache are one op (the decode attention kernel writes the cache from 3 rows up).
-_CACHE = ("RotaryPair", "KVCacheWrite", "RotaryCacheWrite", "QKVRotaryCache", "CacheLengths", "RotaryCacheAttention")
+# GEMV that feeds the rotary write takes it into its epilogue. RotaryCacheAttention / KVCacheAttention:
+# that write (or a plain one) and the attention reading the cache are one op (the decode attention
+# kernel writes the cache; with a rotary write, from 3 rows up).
+_CACHE = ("RotaryPair", "KVCacheWrite", "RotaryCacheWrite", "QKVRotaryCache", "CacheLengths", "RotaryCacheAttention",
+          "KVCacheAttention")
 DECODE_GOLDEN = {
-    "gpt2": (0, 2, 0, 0, 2, 0), "llama": (2, 2, 2, 2, 2, 2), "mistral": (2, 2, 2, 2, 2, 2), "qwen2": (2, 2, 2, 2, 2, 2),
-    "gemma": (2, 2, 2, 2, 2, 2), "phi3": (2, 2, 0, 0, 2, 0),
+    "gpt2": (0, 2, 0, 0, 2, 0, 2), "llama": (2, 2, 2, 2, 2, 2, 0), "mistral": (2, 2, 2, 2, 2, 2, 0),
+    "qwen2": (2, 2, 2, 2, 2, 2, 0), "gemma": (2, 2, 2, 2, 2, 2, 0), "phi3": (2, 2, 0, 0, 2, 0, 2),
 }
 
 

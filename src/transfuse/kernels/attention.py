@@ -62,8 +62,9 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
-from transfuse.kernels.attention_decode import attention_decode_fwd, decode_applies, normalized_rows
-from transfuse.kernels.kv_cache import check_rotary_kv_cache_write_args, rotary_kv_cache_write_fwd
+from transfuse.kernels.attention_decode import _NEW_ROWS, attention_decode_fwd, decode_applies, normalized_rows
+from transfuse.kernels.kv_cache import (check_kv_cache_write_args, check_rotary_kv_cache_write_args, kv_cache_write_fwd,
+                                       rotary_kv_cache_write_fwd)
 from transfuse.kernels.attention_train import _load_rows  # a K or V tile, each with its own head dim
 
 # Block sizes of the mask summary; the attention kernel uses them whenever a summary is given.
@@ -603,7 +604,7 @@ def attention_fwd(
     key_len: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     autotune: bool = False,
-    rotary: tuple | None = None,
+    new_kv: tuple | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q @ k^T + mask) @ v; see the module docstring for shapes and semantics.
 
@@ -611,17 +612,26 @@ def attention_fwd(
     flags, dtype) instead of using the fixed heuristic; never call it for the first time inside
     CUDA-graph capture.
 
-    `rotary=(new_k, new_v, cos, sin, start)`: first rotary_kv_cache_write(k, v, q, new_k, new_v, cos,
-    sin, start) (k and v are then the cache, written in place, and q is unrotated), then the
-    attention on its rotated q. The decode kernel does both in one launch where it applies
-    (attention_decode.py); elsewhere the write's own kernel runs first.
+    `new_kv=(new_k, new_v, cos, sin, start)`: first the cache write, k and v being the cache
+    (written in place): rotary_kv_cache_write(k, v, q, new_k, new_v, cos, sin, start), q unrotated,
+    or with cos = sin = None kv_cache_write(k, v, new_k, new_v, start); then the attention (on the
+    rotated q). The decode kernel does both in one launch where it applies (attention_decode.py,
+    as many new keys as query rows); elsewhere the write's own kernel runs first.
     """
-    if rotary is not None:
-        check_rotary_kv_cache_write_args(k, v, q, *rotary)
-        if not decode_applies(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], is_causal, mask is not None,
-                              q.device, fused_write=True):
-            q = rotary_kv_cache_write_fwd(k, v, q, *rotary)
-            rotary = None
+    if new_kv is not None:
+        new_k, new_v, cos, sin, start = new_kv
+        if cos is not None:
+            check_rotary_kv_cache_write_args(k, v, q, new_k, new_v, cos, sin, start)
+        else:
+            check_kv_cache_write_args(k, v, new_k, new_v, start)
+        if not (q.dim() == 4 and new_k.shape[2] == q.shape[2] <= _NEW_ROWS and decode_applies(
+                q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], is_causal, mask is not None, q.device,
+                fused_write=True)):
+            if cos is not None:
+                q = rotary_kv_cache_write_fwd(k, v, q, new_k, new_v, cos, sin, start)
+            else:
+                kv_cache_write_fwd(k, v, new_k, new_v, start)
+            new_kv = None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("attention expects q, k, v of shape (batch, nheads, seqlen, headdim)")
     batch, nheads, seqlen_q, head_dim = q.shape
@@ -685,12 +695,12 @@ def attention_fwd(
         stride_sb = stride_sh = stride_sq = 0
         summary_arg = q  # never read
 
-    if rotary is not None or decode_applies(batch, nheads, nheads_kv, seqlen_q, seqlen_k, is_causal, has_mask, q.device):
+    if new_kv is not None or decode_applies(batch, nheads, nheads_kv, seqlen_q, seqlen_k, is_causal, has_mask, q.device):
         # A few query rows (a decode step): one program per KV group and key split (attention_decode.py).
         return attention_decode_fwd(
             q, k, v, out, mask_arg if has_mask else None, (stride_mb, stride_mh, stride_mq, stride_mk),
             mask_summary if has_summary else None, (stride_sb, stride_sh), SUMMARY_BLOCK_N, num_summary_k,
-            key_len, sinks, scale, masked_rows_zero, rotary=rotary)
+            key_len, sinks, scale, masked_rows_zero, new_kv=new_kv)
 
     block_d = max(16, next_power_of_2(head_dim))
     block_dv = max(16, next_power_of_2(head_dim_v))

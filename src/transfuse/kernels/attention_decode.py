@@ -21,15 +21,15 @@ so a graph captured for a 4k-key cache does work in proportion to the keys in us
 follow attention.py exactly: fp32 `scale * qk + mask`, exp in natural units, so rows masked with
 finfo.min everywhere give eager's uniform weights and rows of -inf give 0 or NaN as asked.
 
-Fused rotary + cache write (`rotary=`, ops/rotary_cache_attention.py): a decode step's new keys and
-values arrive unrotated from the Q/K/V linear with their position `start` (a device int), instead of
-written into the cache by a kernel of their own (rotary_kv_cache_write, ~3 us a layer at batch 8).
-Each program rotates its query rows on loading (kernels/rotary.py's fp32 helper, rounded once to q's
-dtype, as the separate kernel rounds them), and rotates the group's new keys in registers; split 0
-stores them and the values into the cache at start..start+n-1 (positions < L), the split whose share
-holds a new position attends to it from registers, and the cache loop skips those positions (no
-program reads a row another one writes). The key set is the unfused one; only the order in which
-the new keys join the online softmax differs (fp32 rounding).
+Fused cache write (`new_kv=`, ops/rotary_cache_attention.py): a decode step's new keys and values
+arrive from the Q/K/V linear with their position `start` (a device int), instead of written into the
+cache by a kernel of their own (kv_cache_write, or rotary_kv_cache_write: ~3 us a layer at batch 8).
+With rotary tables each program rotates its query rows on loading (kernels/rotary.py's fp32 helper,
+rounded once to q's dtype, as the separate kernel rounds them) and the group's new keys in
+registers. Split 0 stores the new keys and values into the cache at start..start+n-1 (positions
+< L), the split whose share holds a new position attends to it from registers, and the cache loop
+skips those positions (no program reads a row another one writes). The key set is the unfused one;
+only the order in which the new keys join the online softmax differs (fp32 rounding).
 """
 
 import os
@@ -48,7 +48,7 @@ MAX_QUERY_ROWS = 8
 # Fewest keys worth a split of their own: below this the combine costs more than the split saves.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-# Rows of the new-keys block of a fused rotary write (a tl.dot side is at least 16; n <= MAX_QUERY_ROWS).
+# Rows of the new-keys block of a fused cache write (a tl.dot side is at least 16; n <= MAX_QUERY_ROWS).
 _NEW_ROWS = 16
 
 
@@ -128,20 +128,25 @@ def _new_keys(acc, l_i, m_i, q, k_base, v_base, mask_rows, new_k_ptr, new_v_ptr,
               start, end, split, n, L, offs_d, offs_dv, row_ok, d_ok, dv_ok, stride_k_seq, stride_v_seq,
               stride_mask_k, stride_nk_b, stride_nk_h, stride_nk_s, stride_nv_b, stride_nv_h, stride_nv_s,
               stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, scale, HEAD_DIM: tl.constexpr,
-              APPLY_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
+              ROTARY: tl.constexpr, APPLY_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, NEW_ROWS: tl.constexpr):
     """A fused write's n new keys of one (batch, KV head), at cache positions first..first+n-1: rotated
-    as kernels/kv_cache.py rotates them (fp32, one rounding to the cache's dtype), stored with their
-    values by split 0 (positions < L), and attended by this program where they fall in [start, end)."""
+    (ROTARY) as kernels/kv_cache.py rotates them (fp32, one rounding to the cache's dtype), stored with
+    their values by split 0 (positions < L), and attended by this program where they fall in
+    [start, end)."""
     j = tl.arange(0, NEW_ROWS)
     j64 = j.to(tl.int64)
     pos = first + j
     exists = (j < n) & (pos < L)
     k_ok = exists[:, None] & d_ok[None, :]
-    k_new = _rotate(new_k_ptr, cos_ptr, sin_ptr, tl.full([NEW_ROWS], 0, tl.int64) + b64,
-                    tl.full([NEW_ROWS], 0, tl.int64) + hk64, j64, k_ok, stride_nk_b, stride_nk_h, stride_nk_s,
-                    stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
-                    HEAD_DIM // 2, BLOCK_D).to(k_base.dtype.element_ty)
+    if ROTARY:
+        k_new = _rotate(new_k_ptr, cos_ptr, sin_ptr, tl.full([NEW_ROWS], 0, tl.int64) + b64,
+                        tl.full([NEW_ROWS], 0, tl.int64) + hk64, j64, k_ok, stride_nk_b, stride_nk_h, stride_nk_s,
+                        stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
+                        HEAD_DIM // 2, BLOCK_D).to(k_base.dtype.element_ty)
+    else:
+        k_new = tl.load(new_k_ptr + b64 * stride_nk_b + hk64 * stride_nk_h + j64[:, None] * stride_nk_s + offs_d[None, :],
+                        mask=k_ok, other=0.0).to(k_base.dtype.element_ty)
     v_ok = exists[:, None] & dv_ok[None, :]
     v_new = tl.load(new_v_ptr + b64 * stride_nv_b + hk64 * stride_nv_h + j64[:, None] * stride_nv_s + offs_dv[None, :],
                     mask=v_ok, other=0.0).to(v_base.dtype.element_ty)
@@ -168,8 +173,8 @@ def _attention_decode_kernel(
     mask_ptr, stride_mask_batch, stride_mask_head, stride_mask_q, stride_mask_k,
     summary_ptr, stride_summary_batch, stride_summary_head,
     key_len_ptr, sinks_ptr,
-    # ROTARY (a fused rotary + cache write): the new keys and values (batch, kv heads, seqlen_q, D), the
-    # rotary tables broadcast to q's and to the new keys' shapes, the position of the first new key
+    # NEW_KV (a fused cache write): the new keys and values (batch, kv heads, seqlen_q, D), the rotary
+    # tables broadcast to q's and to the new keys' shapes (ROTARY), the position of the first new key
     new_k_ptr, stride_nk_batch, stride_nk_head, stride_nk_seq,
     new_v_ptr, stride_nv_batch, stride_nv_head, stride_nv_seq,
     cos_q_ptr, stride_cq_batch, stride_cq_head, stride_cq_seq, sin_q_ptr, stride_sq_batch, stride_sq_head, stride_sq_seq,
@@ -181,11 +186,11 @@ def _attention_decode_kernel(
     HAS_SUMMARY: tl.constexpr, SUMMARY_BLOCK_N: tl.constexpr, SUMMARY_K_POW2: tl.constexpr,
     GROUP_POW2: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr, LOAD_AS_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTARY: tl.constexpr = False, NEW_ROWS: tl.constexpr = 16,
+    NEW_KV: tl.constexpr = False, ROTARY: tl.constexpr = False, NEW_ROWS: tl.constexpr = 16,
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (_config.pdl)
 ):
     """Program (batch x kv head, split): rows r = g * seqlen_q + i are query head kv_head * kv_group + g
-    at position i; keys of this split's share of the (trimmed) key range (with ROTARY, the new keys
+    at position i; keys of this split's share of the (trimmed) key range (with NEW_KV, the new keys
     of that share from registers; see the module docstring)."""
     wait_for_previous_kernel(PDL)
     pid_bk = tl.program_id(0)
@@ -255,8 +260,8 @@ def _attention_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     skip_lo = 0
     skip_hi = 0
-    if ROTARY:
-        # The new keys: rotated here, stored by split 0, attended by the split whose share holds them.
+    if NEW_KV:
+        # The new keys: rotated here (ROTARY), stored by split 0, attended by the split whose share holds them.
         skip_lo = tl.load(start_ptr).to(tl.int32)
         skip_hi = skip_lo + seqlen_q
         acc, l_i, m_i = _new_keys(
@@ -264,7 +269,7 @@ def _attention_decode_kernel(
             b64, off_hk.to(tl.int64), skip_lo, start, end, split, seqlen_q, seqlen_k, offs_d, offs_dv, row_ok, d_ok,
             dv_ok, stride_k_seq, stride_v_seq, stride_mask_k, stride_nk_batch, stride_nk_head, stride_nk_seq,
             stride_nv_batch, stride_nv_head, stride_nv_seq, stride_ck_batch, stride_ck_head, stride_ck_seq,
-            stride_sk_batch, stride_sk_head, stride_sk_seq, scale, HEAD_DIM, HAS_MASK, MASK_IS_BOOL, LOAD_AS_FP32,
+            stride_sk_batch, stride_sk_head, stride_sk_seq, scale, HEAD_DIM, ROTARY, HAS_MASK, MASK_IS_BOOL, LOAD_AS_FP32,
             DOT_PRECISION, BLOCK_D, NEW_ROWS)
     acc, l_i, m_i = _decode_blocks(
         acc, l_i, m_i, q, k_base, v_base, mask_rows, start, end, skip_lo, skip_hi, offs_n, offs_d, offs_dv, row_ok,
@@ -336,7 +341,7 @@ def decode_applies(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqle
     24.8 against 7.5 (H200, bench/kernels/bench_attention_decode.py, 2026-11-28). A per-block
     branch on the summary here, or a mask-free loop over the leading blocks, made long caches slower.
     Under the interpreter every such call comes here (CPU tests cover this kernel). With
-    `fused_write` (a rotary + cache write this kernel does, saving that kernel's launch) masked calls
+    `fused_write` (a cache write this kernel does, saving that kernel's launch) masked calls
     come here too. TRANSFUSE_DECODE_ATTENTION=0 sends every call to the prefill kernel (A/B runs)."""
     if os.environ.get("TRANSFUSE_DECODE_ATTENTION", "1") == "0":
         return False
@@ -363,14 +368,14 @@ def num_splits(programs: int, seqlen_k: int, device: torch.device) -> int:
 
 
 def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_strides, summary_block_n, num_summary_k,
-                         key_len, sinks, scale, masked_rows_zero, splits=None, rotary=None):
+                         key_len, sinks, scale, masked_rows_zero, splits=None, new_kv=None):
     """Fills `out` (attention_empty_out's layout); arguments already checked by attention.attention_fwd.
 
     mask_strides: the mask's strides broadcast to (batch, nheads, seqlen_q, seqlen_k) (0 where broadcast);
     summary_strides: (batch, head) strides of the int8 summary (0 where broadcast), whose blocks are
     summary_block_n keys wide (a multiple of this kernel's key block). `splits` overrides num_splits (tests).
-    `rotary`: (new_k, new_v, cos, sin, start) of a fused rotary + cache write, checked by the caller
-    (kernels.kv_cache.check_rotary_kv_cache_write_args); q is then unrotated and k, v are the cache.
+    `new_kv`: (new_k, new_v, cos, sin, start) of a fused cache write (cos, sin None: no rotary), checked
+    by the caller (kernels.kv_cache's checks); q is then unrotated and k, v are the cache.
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -392,14 +397,17 @@ def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_stri
         part = ml = out  # never read
     smb, smh, smq, smk = mask_strides
     ssb, ssh = summary_strides
-    if rotary is not None:
-        new_k, new_v, cos, sin, start = rotary
+    rotary = new_kv is not None and new_kv[2] is not None
+    if new_kv is not None:
+        new_k, new_v, cos, sin, start = new_kv
         new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
         new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-        (cos_q, cq), (sin_q, sq) = _broadcast_strides(cos, q.shape), _broadcast_strides(sin, q.shape)
-        (cos_k, ck), (sin_k, sk) = _broadcast_strides(cos, new_k.shape), _broadcast_strides(sin, new_k.shape)
-        rotary_args = (new_k, *new_k.stride()[:3], new_v, *new_v.stride()[:3], cos_q, *cq, sin_q, *sq,
-                       cos_k, *ck, sin_k, *sk, start.reshape(1))
+        tables = (q, 0, 0, 0) * 4  # never read without rotary
+        if rotary:
+            (cos_q, cq), (sin_q, sq) = _broadcast_strides(cos, q.shape), _broadcast_strides(sin, q.shape)
+            (cos_k, ck), (sin_k, sk) = _broadcast_strides(cos, new_k.shape), _broadcast_strides(sin, new_k.shape)
+            tables = (cos_q, *cq, sin_q, *sq, cos_k, *ck, sin_k, *sk)
+        rotary_args = (new_k, *new_k.stride()[:3], new_v, *new_v.stride()[:3], *tables, start.reshape(1))
     else:
         rotary_args = (q, 0, 0, 0) * 6 + (q,)  # never read
     _attention_decode_kernel[(programs, splits)](
@@ -421,7 +429,7 @@ def attention_decode_fwd(q, k, v, out, mask, mask_strides, summary, summary_stri
         GROUP_POW2=next_power_of_2(kv_group), MASKED_ROWS_ZERO=bool(masked_rows_zero),
         LOAD_AS_FP32=INTERPRET or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, ROTARY=rotary is not None, NEW_ROWS=_NEW_ROWS,
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, NEW_KV=new_kv is not None, ROTARY=rotary, NEW_ROWS=_NEW_ROWS,
         num_warps=4, num_stages=1 if INTERPRET else 3, **pdl(q),
     )
     if splits > 1:

@@ -77,8 +77,8 @@ class Pass:
 
 def registry() -> list[Pass]:
     # Imported here so that each pass module stays importable on its own.
-    from transfuse.passes import (attention, cache_length, clamp, conv1d, cross_entropy, dropout, embedding, empty_cat, inplace, kv_cache,
-                                  linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary, rotary_cache_attention,
+    from transfuse.passes import (attention, cache_length, cache_write_attention, clamp, conv1d, cross_entropy, dropout, embedding, empty_cat, inplace, kv_cache,
+                                  linear, merge_linears, norm, norm_linear, qkv_rotary_cache, rms_norm, rotary,
                                   rotary_table, written_layer_norm)
 
     return [
@@ -102,8 +102,8 @@ def registry() -> list[Pass]:
         Pass("norm_linear", norm_linear.run, "an RMSNorm or LayerNorm and the (first) linear reading it -> transfuse.rms_norm_linear / layer_norm_linear"),
         Pass("qkv_rotary_cache", qkv_rotary_cache.run, "a norm + Q/K/V linear and its rotary + cache write -> transfuse.qkv_rotary_cache_write"),
         Pass("cache_length", cache_length.run, "every layer's cache-length add_ -> one _foreach_add_ at the end"),
-        Pass("rotary_cache_attention", rotary_cache_attention.run, "a rotary + cache write and the attention reading "
-             "the cache -> transfuse.rotary_cache_attention (one decode attention launch)"),
+        Pass("cache_write_attention", cache_write_attention.run, "a (rotary +) KV-cache write and the attention reading "
+             "the cache -> transfuse.kv_cache_attention / rotary_cache_attention (one decode attention launch)"),
     ]
 
 

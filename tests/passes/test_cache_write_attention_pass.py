@@ -1,5 +1,5 @@
-"""The RotaryCacheAttention pass on hand-built FX graphs of the form the kv_cache and qkv_rotary_cache
-passes leave (rotary_kv_cache_write, then an attention over the written cache): fused into one op
+"""The cache_write_attention pass on hand-built FX graphs of the form the kv_cache and qkv_rotary_cache
+passes leave (rotary_kv_cache_write or kv_cache_write, then an attention over the written cache): fused into one op
 with the same output and cache contents as the unfused graph; left alone, with the reason, when the
 attention reads another cache, the rotated queries have another reader, or an in-place write in
 between would move across the fused op."""
@@ -7,7 +7,7 @@ between would move across the fused op."""
 import torch
 import torch.fx as fx
 
-from transfuse.passes import rotary_cache_attention
+from transfuse.passes import cache_write_attention
 from transfuse.passes.graph import remove_dead_code
 from transfuse.passes.manager import PassContext
 
@@ -26,13 +26,18 @@ def _inputs():
                 key_len=torch.tensor([8], dtype=torch.int32))
 
 
-def _graph(read_keys="keys", extra_reader=False, bump_between=()) -> fx.GraphModule:
+def _graph(read_keys="keys", extra_reader=False, bump_between=(), plain=False) -> fx.GraphModule:
     """`read_keys`: the placeholder the attention reads as keys; `extra_reader`: the graph also returns
-    the rotated queries; `bump_between`: placeholders incremented in place between the two ops."""
+    the rotated queries; `bump_between`: placeholders incremented in place between the two ops;
+    `plain`: kv_cache_write (no rotary) and the attention on q as it is."""
     graph = fx.Graph()
     p = {name: graph.placeholder(name) for name in _inputs()}
-    q_rot = graph.call_function(OPS.rotary_kv_cache_write.default, tuple(p[a] for a in (
-        "keys", "values", "q", "k", "v", "cos", "sin", "start")))
+    if plain:
+        graph.call_function(OPS.kv_cache_write.default, tuple(p[a] for a in ("keys", "values", "k", "v", "start")))
+        q_rot = p["q"]
+    else:
+        q_rot = graph.call_function(OPS.rotary_kv_cache_write.default, tuple(p[a] for a in (
+            "keys", "values", "q", "k", "v", "cos", "sin", "start")))
     for name in bump_between:
         graph.call_method("add_", (p[name], 1))
     out = graph.call_function(OPS.attention.default, (q_rot, p[read_keys], p["values"], None, None, 0.25, False, True),
@@ -52,7 +57,7 @@ def _run(gm):
 
 def _apply(gm):
     ctx = PassContext(gm=gm, example_inputs=[], options={})
-    rotary_cache_attention.run(ctx)
+    cache_write_attention.run(ctx)
     remove_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -64,14 +69,16 @@ def _targets(gm):
 
 
 def test_fused_with_the_same_output_and_cache():
-    gm = _graph()
-    ref = _run(gm)
-    ctx = _apply(gm)
-    assert ctx.rewrites["RotaryCacheAttention"] == 1
-    assert _targets(gm) == [OPS.rotary_cache_attention.default]
-    out = _run(gm)
-    for got, want in zip(out, ref):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for plain, pattern, op in [(False, "RotaryCacheAttention", OPS.rotary_cache_attention.default),
+                               (True, "KVCacheAttention", OPS.kv_cache_attention.default)]:
+        gm = _graph(plain=plain)
+        ref = _run(gm)
+        ctx = _apply(gm)
+        assert ctx.rewrites[pattern] == 1
+        assert _targets(gm) == [op]
+        out = _run(gm)
+        for got, want in zip(out, ref):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_an_increment_in_between_decides_where_the_fused_op_goes():
@@ -92,9 +99,11 @@ def test_an_increment_in_between_decides_where_the_fused_op_goes():
 def test_left_alone_with_the_reason():
     for kwargs, reason in [(dict(read_keys="other"), "other keys or values"),
                            (dict(extra_reader=True), "read by more than the attention"),
-                           (dict(bump_between=("key_len", "start")), "writes or reads their inputs")]:
+                           (dict(bump_between=("key_len", "start")), "writes or reads their inputs"),
+                           (dict(plain=True, read_keys="other"), None),
+                           (dict(plain=True, bump_between=("key_len", "start")), "writes or reads their inputs")]:
         gm = _graph(**kwargs)
         ctx = _apply(gm)
-        assert "RotaryCacheAttention" not in ctx.rewrites, kwargs
-        assert any(reason in r.reason for r in ctx.rejections), (kwargs, ctx.rejections)
+        assert "RotaryCacheAttention" not in ctx.rewrites and "KVCacheAttention" not in ctx.rewrites, kwargs
+        assert reason is None or any(reason in r.reason for r in ctx.rejections), (kwargs, ctx.rejections)
         assert OPS.attention.default in _targets(gm)

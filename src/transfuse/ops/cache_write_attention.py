@@ -1,20 +1,24 @@
-"""A decode step's rotary + KV-cache write and the attention that reads the cache, as one op (forward only):
+"""A decode step's KV-cache write and the attention that reads the cache, as one op (forward only):
 
-    rotary_cache_attention(Tensor(a!) keys, Tensor(b!) values, Tensor q, Tensor k, Tensor v, Tensor cos,
-                           Tensor sin, Tensor start, Tensor? mask, Tensor? mask_summary, float scale,
-                           bool is_causal, bool masked_rows_zero, Tensor? key_len, Tensor? sinks) -> Tensor
+    kv_cache_attention(Tensor(a!) keys, Tensor(b!) values, Tensor q, Tensor k, Tensor v, Tensor start,
+                       Tensor? mask, Tensor? mask_summary, float scale, bool is_causal,
+                       bool masked_rows_zero, Tensor? key_len, Tensor? sinks) -> Tensor
+      = transfuse.kv_cache_write(keys, values, k, v, start); transfuse.attention(q, keys, values, mask, ...)
+
+    rotary_cache_attention(keys!, values!, q, k, v, cos, sin, start, <attention's after v>) -> Tensor
       = transfuse.attention(transfuse.rotary_kv_cache_write(keys, values, q, k, v, cos, sin, start),
                             keys, values, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len, sinks)
 
     qkv_rotary_cache_attention(<qkv_rotary_cache_write's arguments>, <attention's after v>) -> (out, sum)
       = the same after transfuse.qkv_rotary_cache_write's norm + Q/K/V linear.
 
-Where the decode attention kernel takes the call (a few query rows, no causal triangle), it rotates
-q and the new keys itself and writes the cache (kernels/attention_decode.py): one launch instead of
-two (batch 8 of Llama-1.1B: the write kernel took 3.1 us of a 48 us layer). With one or two rows the
-norm + Q/K/V GEMV already does the rotary and the write in its epilogue (ops/qkv_rotary_cache.py),
-and that stays. Elsewhere (prefill) the write kernel runs first, then the attention: the ops they
-replace. The output differs from the two ops only in the order the new keys join the online softmax.
+Where the decode attention kernel takes the call (as many new keys as query rows, a few, no causal
+triangle), it writes the cache itself, rotating q and the new keys for the rotary forms
+(kernels/attention_decode.py): one launch instead of two (batch 8 of Llama-1.1B: the write kernel
+took 3.1 us of a 48 us layer). With one or two rows the norm + Q/K/V GEMV already does the rotary and
+the write in its epilogue (ops/qkv_rotary_cache.py), and that stays. Elsewhere (prefill) the write
+kernel runs first, then the attention: the ops they replace. The output differs from the two ops
+only in the order the new keys join the online softmax.
 """
 
 from __future__ import annotations
@@ -24,8 +28,34 @@ from typing import Optional
 import torch
 
 from transfuse.kernels.attention import attention_empty_out, attention_fwd
-from transfuse.kernels.kv_cache import check_rotary_kv_cache_write_args
+from transfuse.kernels.kv_cache import check_kv_cache_write_args, check_rotary_kv_cache_write_args
 from transfuse.ops.qkv_rotary_cache import _check, qkv_heads
+
+
+@torch.library.custom_op("transfuse::kv_cache_attention", mutates_args=("keys", "values"))
+def kv_cache_attention(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    mask_summary: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    masked_rows_zero: bool,
+    key_len: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    return attention_fwd(q, keys, values, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len, sinks,
+                         new_kv=(k, v, None, None, start))
+
+
+@kv_cache_attention.register_fake
+def _(keys, values, q, k, v, start, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len=None, sinks=None):
+    check_kv_cache_write_args(keys, values, k, v, start)
+    return attention_empty_out(q, values)
 
 
 @torch.library.custom_op("transfuse::rotary_cache_attention", mutates_args=("keys", "values"))
@@ -47,7 +77,7 @@ def rotary_cache_attention(
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return attention_fwd(q, keys, values, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len, sinks,
-                         rotary=(k, v, cos, sin, start))
+                         new_kv=(k, v, cos, sin, start))
 
 
 @rotary_cache_attention.register_fake
@@ -86,9 +116,9 @@ def qkv_rotary_cache_attention(
     """(attention output, x + residual or empty); see the module docstring."""
     q, k, v, summed = qkv_heads(x, residual, norm_weight, norm_bias, eps, weight_offset, cast_before_weight,
                                 layer_norm, weight, bias, keys, values, cos, sin, start, q_heads)
-    rotary = None if k is None else (k, v, cos, sin, start)  # None: the GEMV's epilogue wrote the cache
+    new_kv = None if k is None else (k, v, cos, sin, start)  # None: the GEMV's epilogue wrote the cache
     out = attention_fwd(q, keys, values, mask, mask_summary, scale, is_causal, masked_rows_zero, key_len, sinks,
-                        rotary=rotary)
+                        new_kv=new_kv)
     return out, summed
 
 

@@ -1,6 +1,6 @@
-"""attention_fwd(..., rotary=(k, v, cos, sin, start)): a decode step's rotary + KV-cache write fused into
-the decode attention (kernels/attention_decode.py), against the two references it replaces:
-rotary_kv_cache_write_ref, then attention_ref on the written cache. The cache holds NaN at the
+"""attention_fwd(..., new_kv=(k, v, cos, sin, start)): a decode step's (rotary +) KV-cache write fused
+into the decode attention (kernels/attention_decode.py), against the two references it replaces:
+rotary_kv_cache_write_ref (kv_cache_write_ref without tables), then attention_ref on the written cache. The cache holds NaN at the
 positions being written, so a program that read such a row before (or while) it is written shows."""
 
 import pytest
@@ -10,7 +10,7 @@ from tests.kernels.attention_cases import FP32_MIN
 from transfuse.kernels import attention_decode
 from transfuse.kernels.attention import attention_fwd, attention_mask_summary_fwd
 from transfuse.reference.attention import attention_ref
-from transfuse.reference.kv_cache import rotary_kv_cache_write_ref
+from transfuse.reference.kv_cache import kv_cache_write_ref, rotary_kv_cache_write_ref
 
 
 def _step(batch, nheads, nheads_kv, n, cache_len, head_dim, dtype, device):
@@ -32,15 +32,21 @@ def _step(batch, nheads, nheads_kv, n, cache_len, head_dim, dtype, device):
 
 
 def _run(q, k, v, cos, sin, keys, values, start, mask, summary, scale, key_len=None, sinks=None, splits=None,
-         monkeypatch=None):
-    """(fused output, its cache) and (reference output, its cache); `start` an int."""
+         monkeypatch=None, rotary=True):
+    """(fused output, its cache) and (reference output, its cache); `start` an int; rotary=False: a
+    plain cache write, q as it is."""
     filled = keys.clone(), values.clone()
     for t in filled:
         t[:, :, start:start + q.shape[2]] = float("nan")  # the rows the write replaces
     ref_keys, ref_values = (t.float() for t in filled)  # the references in fp32
     start_t = torch.tensor(start, dtype=torch.int64, device=q.device)
-    q_rot = rotary_kv_cache_write_ref(ref_keys, ref_values, q.float(), k.float(), v.float(), cos.float(),
-                                      sin.float(), start_t)
+    if rotary:
+        q_rot = rotary_kv_cache_write_ref(ref_keys, ref_values, q.float(), k.float(), v.float(), cos.float(),
+                                          sin.float(), start_t)
+    else:
+        fits = torch.arange(k.shape[2], device=k.device) + start < keys.shape[2]
+        kv_cache_write_ref(ref_keys, ref_values, k.float()[:, :, fits], v.float()[:, :, fits], start_t)
+        q_rot = q.float()
     kl = int(key_len.item()) if key_len is not None else None
     ref = attention_ref(q_rot, ref_keys, ref_values, mask, scale, False, True,
                         key_len=kl, sinks=sinks)
@@ -50,7 +56,7 @@ def _run(q, k, v, cos, sin, keys, values, start, mask, summary, scale, key_len=N
                             lambda *a, **kw: real(*a, **dict(kw, splits=splits)))
     keys_out, values_out = filled
     out = attention_fwd(q, keys_out, values_out, mask, summary, scale, False, True, key_len, sinks,
-                        rotary=(k, v, cos, sin, start_t))
+                        new_kv=(k, v, cos, sin, start_t) if rotary else (k, v, None, None, start_t))
     return out, keys_out, values_out, ref, ref_keys, ref_values
 
 
@@ -62,10 +68,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("mask_name", [None, "pad_bool", "static_min"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_fused_write_matches_write_then_attention(case, mask_name, splits, device, monkeypatch):
+def test_fused_write_matches_write_then_attention(case, mask_name, splits, rotary, device, monkeypatch):
     batch, nheads, nheads_kv, n, cache_len, head_dim = case
     q, k, v, cos, sin, keys, values = _step(batch, nheads, nheads_kv, n, cache_len, head_dim, torch.float32, device)
     start = 33 if cache_len > 40 else 20
@@ -83,7 +90,7 @@ def test_fused_write_matches_write_then_attention(case, mask_name, splits, devic
     summaries = [None, attention_mask_summary_fwd(mask, n, cache_len)] if mask is not None else [None]
     for summary in summaries:
         out, ko, vo, ref, rk, rv = _run(q, k, v, cos, sin, keys, values, start, mask, summary, 0.3, key_len,
-                                        splits=splits, monkeypatch=monkeypatch)
+                                        splits=splits, monkeypatch=monkeypatch, rotary=rotary)
         torch.testing.assert_close(ko[:, :, : start + n], rk[:, :, : start + n], atol=0, rtol=0)
         torch.testing.assert_close(vo[:, :, : start + n], rv[:, :, : start + n], atol=0, rtol=0)
         assert torch.equal(ko[:, :, start + n:], keys[:, :, start + n:])  # nothing else written
@@ -121,7 +128,8 @@ def test_half_precision_cache_bits_and_output_within_torch_error(dtype, device):
     assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 1e-3
 
 
-def test_prefill_rows_run_the_write_kernel_first(device, monkeypatch):
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_prefill_rows_run_the_write_kernel_first(rotary, device, monkeypatch):
     """More new rows than a decode step (or a causal call): the write kernel, then the prefill
     attention on the written cache; same result as the references."""
     calls = []
@@ -130,7 +138,7 @@ def test_prefill_rows_run_the_write_kernel_first(device, monkeypatch):
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, cos, sin, keys, values = _step(2, 4, 2, 12, 40, 16, torch.float32, device)
     out, ko, vo, ref, rk, rv = _run(q, k, v, cos, sin, keys, values, 10, None, None, 0.25,
-                                    key_len=torch.tensor([22], dtype=torch.int32, device=device))
+                                    key_len=torch.tensor([22], dtype=torch.int32, device=device), rotary=rotary)
     assert not calls
     torch.testing.assert_close(ko[:, :, :22], rk[:, :, :22], atol=0, rtol=0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -1,14 +1,18 @@
-"""A decode step's rotary + cache write and the attention reading that cache -> one op (`RotaryCacheAttention`).
+"""A decode step's KV-cache write and the attention reading that cache -> one op (`KVCacheAttention`,
+`RotaryCacheAttention`).
 
-After the qkv_rotary_cache pass a Llama-style decode step reads
+After the kv_cache and qkv_rotary_cache passes a decode step reads
 
-    q_rot = transfuse.rotary_kv_cache_write(keys, values, q, k, v, cos, sin, start)
+    transfuse.kv_cache_write(keys, values, k, v, start)                       # GPT-2, OPT, BART, T5, ...
+    out = transfuse.attention(q, keys, values, mask, summary, scale, ...)
+or
+    q_rot = transfuse.rotary_kv_cache_write(keys, values, q, k, v, cos, sin, start)      # Llama-style
         (or q_rot, s = transfuse.qkv_rotary_cache_write(x, ..., keys, values, cos, sin, start, q_heads))
     out = transfuse.attention(q_rot, keys, values, mask, summary, scale, ...)
 
-and both become transfuse.rotary_cache_attention (qkv_rotary_cache_attention), which the decode
-attention kernel runs as one launch: it rotates q and the new keys itself and writes the cache
-(ops/rotary_cache_attention.py).
+and both become transfuse.kv_cache_attention (rotary_cache_attention, qkv_rotary_cache_attention),
+which the decode attention kernel runs as one launch: it writes the cache itself, rotating q and the
+new keys for the rotary forms (ops/cache_write_attention.py).
 
 Placed where the write was when every other input of the attention is ready there and nothing in
 between writes one of them; else where the attention was when nothing in between writes an input
@@ -27,10 +31,12 @@ from transfuse.passes.graph import node_order, writes_in_place
 from transfuse.passes.manager import PassContext
 
 PATTERN = "RotaryCacheAttention"
+PLAIN_PATTERN = "KVCacheAttention"
 _OPS = torch.ops.transfuse
 _ATTENTION_ARGS = ("q", "k", "v", "mask", "mask_summary", "scale", "is_causal", "masked_rows_zero", "key_len", "sinks")
 _ATTENTION_DEFAULTS = {"key_len": None, "sinks": None}
-_CACHE_ARGS = {_OPS.rotary_kv_cache_write.default: (0, 1), _OPS.qkv_rotary_cache_write.default: (10, 11)}
+_CACHE_ARGS = {_OPS.rotary_kv_cache_write.default: (0, 1), _OPS.qkv_rotary_cache_write.default: (10, 11),
+               _OPS.kv_cache_write.default: (0, 1)}
 
 
 def _write_of(q: fx.Node) -> fx.Node | None:
@@ -55,8 +61,16 @@ def _attention_args(attention: fx.Node) -> list:
     return args
 
 
-def _placement(write: fx.Node, attention: fx.Node, q: fx.Node, order: dict) -> fx.Node | None:
-    """The node to insert the fused op before (the write or the attention), or None."""
+def _plain_write_of(attention: fx.Node, keys, order: dict) -> fx.Node | None:
+    """The kv_cache_write into `keys` that comes last before the attention, if any."""
+    writes = [u for u in getattr(keys, "users", ()) if u.op == "call_function" and u.target is _OPS.kv_cache_write.default
+              and u.args[0] is keys and order[u] < order[attention]]
+    return max(writes, key=order.__getitem__) if writes else None
+
+
+def _placement(write: fx.Node, attention: fx.Node, q: fx.Node | None, order: dict) -> fx.Node | None:
+    """The node to insert the fused op before (the write or the attention), or None; q: the write's
+    rotated queries (None for a plain write)."""
     between = [n for n in write.graph.nodes if order[write] < order[n] < order[attention]]
     others = set(attention.all_input_nodes) - {q}
     if all(order[n] < order[write] for n in others - set(write.all_input_nodes)) and not any(
@@ -71,6 +85,29 @@ def _placement(write: fx.Node, attention: fx.Node, q: fx.Node, order: dict) -> f
     return None
 
 
+def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -> None:
+    graph = ctx.gm.graph
+    write = _plain_write_of(attention, args[1], order)
+    if write is None:
+        return
+    if write.args[1] is not args[2]:
+        ctx.reject(PLAIN_PATTERN, attention, "the attention reads other values than the cache the write fills")
+        return
+    where = _placement(write, attention, None, order)
+    if where is None:
+        ctx.reject(PLAIN_PATTERN, attention, "a node between the cache write and the attention writes or reads "
+                                             "their inputs")
+        return
+    keys, values, k, v, start = write.args
+    with graph.inserting_before(where):
+        fused = graph.call_function(_OPS.kv_cache_attention.default, (keys, values, args[0], k, v, start, *args[3:]))
+        fused.meta.update(attention.meta)
+    attention.replace_all_uses_with(fused)
+    graph.erase_node(attention)
+    graph.erase_node(write)
+    ctx.matched(PLAIN_PATTERN)
+
+
 def run(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     order = node_order(graph)
@@ -80,6 +117,9 @@ def run(ctx: PassContext) -> None:
         q = args[0]
         write = _write_of(q) if isinstance(q, fx.Node) else None
         if write is None:
+            if isinstance(args[1], fx.Node):
+                _fuse_plain(ctx, attention, args, order)
+                order = node_order(graph)
             continue
         keys, values = (write.args[i] for i in _CACHE_ARGS[write.target])
         if args[1] is not keys or args[2] is not values:
