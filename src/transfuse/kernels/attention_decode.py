@@ -21,7 +21,7 @@ so a graph captured for a 4k-key cache does work in proportion to the keys in us
 follow attention.py exactly: fp32 `scale * qk + mask`, exp in natural units, so rows masked with
 finfo.min everywhere give eager's uniform weights and rows of -inf give 0 or NaN as asked.
 
-Fused cache write (`new_kv=`, ops/rotary_cache_attention.py): a decode step's new keys and values
+Fused cache write (`new_kv=`, ops/cache_write_attention.py): a decode step's new keys and values
 arrive from the Q/K/V linear with their position `start` (a device int), instead of written into the
 cache by a kernel of their own (kv_cache_write, or rotary_kv_cache_write: ~3 us a layer at batch 8).
 With rotary tables each program rotates its query rows on loading (kernels/rotary.py's fp32 helper,
