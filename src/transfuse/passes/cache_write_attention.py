@@ -85,8 +85,10 @@ def _placement(write: fx.Node, attention: fx.Node, q: fx.Node | None, order: dic
     return None
 
 
+_IN_BETWEEN = "a node between the cache write and the attention writes or reads their inputs"
+
+
 def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -> None:
-    graph = ctx.gm.graph
     write = _plain_write_of(attention, args[1], order)
     if write is None:
         return
@@ -95,9 +97,9 @@ def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -
         return
     where = _placement(write, attention, None, order)
     if where is None:
-        ctx.reject(PLAIN_PATTERN, attention, "a node between the cache write and the attention writes or reads "
-                                             "their inputs")
+        ctx.reject(PLAIN_PATTERN, attention, _IN_BETWEEN)
         return
+    graph = ctx.gm.graph
     keys, values, k, v, start = write.args
     with graph.inserting_before(where):
         fused = graph.call_function(_OPS.kv_cache_attention.default, (keys, values, args[0], k, v, start, *args[3:]))
@@ -108,51 +110,52 @@ def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -
     ctx.matched(PLAIN_PATTERN)
 
 
+def _fuse_rotary(ctx: PassContext, attention: fx.Node, args: list, write: fx.Node, order: dict) -> None:
+    q = args[0]
+    keys, values = (write.args[i] for i in _CACHE_ARGS[write.target])
+    if args[1] is not keys or args[2] is not values:
+        ctx.reject(PATTERN, attention, "the attention reads other keys or values than the cache the write fills")
+        return
+    if len(q.users) != 1:
+        ctx.reject(PATTERN, attention, "the rotated queries are read by more than the attention")
+        return
+    where = _placement(write, attention, q, order)
+    if where is None:
+        ctx.reject(PATTERN, attention, _IN_BETWEEN)
+        return
+    graph = ctx.gm.graph
+    with_linear = write.target is _OPS.qkv_rotary_cache_write.default
+    with graph.inserting_before(where):
+        if not with_linear:
+            out = graph.call_function(_OPS.rotary_cache_attention.default, (*write.args, *args[3:]))
+        else:
+            fused = graph.call_function(_OPS.qkv_rotary_cache_attention.default, (*write.args, *args[3:]))
+            out = graph.call_function(operator.getitem, (fused, 0))
+            summed = [u for u in write.users if u is not q]
+            if summed:
+                new_sum = graph.call_function(operator.getitem, (fused, 1))
+                new_sum.meta.update(summed[0].meta)
+                for u in summed:  # getitem(write, 1): the norm's residual sum
+                    u.replace_all_uses_with(new_sum)
+                    graph.erase_node(u)
+        out.meta.update(attention.meta)
+    attention.replace_all_uses_with(out)
+    graph.erase_node(attention)
+    if with_linear:
+        graph.erase_node(q)
+    graph.erase_node(write)
+    ctx.matched(PATTERN)
+
+
 def run(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     order = node_order(graph)
     attentions = [n for n in graph.nodes if n.op == "call_function" and n.target is _OPS.attention.default]
     for attention in attentions:
         args = _attention_args(attention)
-        q = args[0]
-        write = _write_of(q) if isinstance(q, fx.Node) else None
-        if write is None:
-            if isinstance(args[1], fx.Node):
-                _fuse_plain(ctx, attention, args, order)
-                order = node_order(graph)
-            continue
-        keys, values = (write.args[i] for i in _CACHE_ARGS[write.target])
-        if args[1] is not keys or args[2] is not values:
-            ctx.reject(PATTERN, attention, "the attention reads other keys or values than the cache the write fills")
-            continue
-        if len(q.users) != 1:
-            ctx.reject(PATTERN, attention, "the rotated queries are read by more than the attention")
-            continue
-        where = _placement(write, attention, q, order)
-        if where is None:
-            ctx.reject(PATTERN, attention, "a node between the cache write and the attention writes or reads "
-                                           "their inputs")
-            continue
-        plain = write.target is _OPS.rotary_kv_cache_write.default
-        with graph.inserting_before(where):
-            if plain:
-                fused = graph.call_function(_OPS.rotary_cache_attention.default, (*write.args, *args[3:]))
-                out = fused
-            else:
-                fused = graph.call_function(_OPS.qkv_rotary_cache_attention.default, (*write.args, *args[3:]))
-                out = graph.call_function(operator.getitem, (fused, 0))
-                summed = [u for u in write.users if u is not q]
-                if summed:
-                    new_sum = graph.call_function(operator.getitem, (fused, 1))
-                    new_sum.meta.update(summed[0].meta)
-                    for u in summed:  # getitem(write, 1): the norm's residual sum
-                        u.replace_all_uses_with(new_sum)
-                        graph.erase_node(u)
-            out.meta.update(attention.meta)
-        attention.replace_all_uses_with(out)
-        graph.erase_node(attention)
-        if not plain:
-            graph.erase_node(q)
-        graph.erase_node(write)
+        write = _write_of(args[0]) if isinstance(args[0], fx.Node) else None
+        if write is not None:
+            _fuse_rotary(ctx, attention, args, write, order)
+        elif isinstance(args[1], fx.Node):
+            _fuse_plain(ctx, attention, args, order)
         order = node_order(graph)
-        ctx.matched(PATTERN)
