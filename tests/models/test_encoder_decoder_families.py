@@ -58,6 +58,10 @@ def test_family_logits_generate_and_matches(family):
     for out, ref in zip(outs, refs):
         assert torch.equal(out, ref)
     assert dict(model._transfuse_state.backend.records[0].rewrites) == golden
+    # every decode step's self-attention writes its cache inside the attention kernel (KVCacheAttention):
+    # two decoder layers (the first step's trace also writes the cross-attention caches: four)
+    fused = [r.rewrites.get("KVCacheAttention", 0) for b in model._transfuse_state.backends for r in b.records]
+    assert fused[-1] == 2, fused
 
 
 def test_bart_fp16_graph_breaks_keep_the_weights():

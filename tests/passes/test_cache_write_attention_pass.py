@@ -26,10 +26,11 @@ def _inputs():
                 key_len=torch.tensor([8], dtype=torch.int32))
 
 
-def _graph(read_keys="keys", extra_reader=False, bump_between=(), plain=False) -> fx.GraphModule:
+def _graph(read_keys="keys", extra_reader=False, bump_between=(), plain=False, size_read=False) -> fx.GraphModule:
     """`read_keys`: the placeholder the attention reads as keys; `extra_reader`: the graph also returns
     the rotated queries; `bump_between`: placeholders incremented in place between the two ops;
-    `plain`: kv_cache_write (no rotary) and the attention on q as it is."""
+    `plain`: kv_cache_write (no rotary) and the attention on q as it is; `size_read`: the cache's
+    length asked in between (BART's mask summary does)."""
     graph = fx.Graph()
     p = {name: graph.placeholder(name) for name in _inputs()}
     if plain:
@@ -40,6 +41,8 @@ def _graph(read_keys="keys", extra_reader=False, bump_between=(), plain=False) -
             "keys", "values", "q", "k", "v", "cos", "sin", "start")))
     for name in bump_between:
         graph.call_method("add_", (p[name], 1))
+    if size_read:
+        graph.call_method("size", (p["values"], -2))
     out = graph.call_function(OPS.attention.default, (q_rot, p[read_keys], p["values"], None, None, 0.25, False, True),
                               {"key_len": p["key_len"]})
     graph.output((out, q_rot) if extra_reader else out)
@@ -85,13 +88,13 @@ def test_an_increment_in_between_decides_where_the_fused_op_goes():
     """HF bumps the cache length after its write: the fused op goes where the write was, before the
     bump (at the attention it would write one position too far); an increment of an attention input
     (key_len) puts it where the attention was (at the write it would read the old length)."""
-    for bumped, first in [("start", True), ("key_len", False)]:
-        gm = _graph(bump_between=(bumped,))
+    for bumped, first, plain in [("start", True, False), ("key_len", False, False), ("key_len", False, True)]:
+        gm = _graph(bump_between=(bumped,), plain=plain, size_read=plain)  # a size query of the cache is no read
         ref = _run(gm)
-        assert _apply(gm).rewrites["RotaryCacheAttention"] == 1
+        assert _apply(gm).rewrites["KVCacheAttention" if plain else "RotaryCacheAttention"] == 1
         nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-        assert [n.target for n in nodes] == ([OPS.rotary_cache_attention.default, "add_"] if first
-                                             else ["add_", OPS.rotary_cache_attention.default])
+        op = OPS.kv_cache_attention.default if plain else OPS.rotary_cache_attention.default
+        assert [n.target for n in nodes] == ([op, "add_"] if first else ["add_", op])
         for got, want in zip(_run(gm), ref):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -80,9 +80,20 @@ def _placement(write: fx.Node, attention: fx.Node, q: fx.Node | None, order: dic
     inputs = set(write.all_input_nodes)
     later = all(order[u] > order[attention] for u in write.users if u is not q and u is not attention)
     if later and not any((writes_in_place(n) and inputs & set(n.all_input_nodes))
-                         or keys in n.all_input_nodes or values in n.all_input_nodes for n in between):
+                         or (not _reads_size_only(n) and {keys, values} & set(n.all_input_nodes)) for n in between):
         return attention
     return None
+
+
+_SIZE_METHODS = ("size", "dim", "stride")
+_SIZE_FUNCTIONS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int)
+
+
+def _reads_size_only(node: fx.Node) -> bool:
+    """A size or stride query (BART's mask summary asks the cache for its length): the write moving
+    past it changes nothing it reads."""
+    return ((node.op == "call_method" and node.target in _SIZE_METHODS)
+            or (node.op == "call_function" and node.target in _SIZE_FUNCTIONS))
 
 
 _IN_BETWEEN = "a node between the cache write and the attention writes or reads their inputs"
