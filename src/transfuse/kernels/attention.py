@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
-from transfuse.kernels.attention_decode import _NEW_ROWS, attention_decode_fwd, decode_applies, normalized_rows
+from transfuse.kernels.attention_decode import attention_decode_fwd, decode_applies, normalized_rows
 from transfuse.kernels.kv_cache import (check_kv_cache_write_args, check_rotary_kv_cache_write_args, kv_cache_write_fwd,
                                        rotary_kv_cache_write_fwd)
 from transfuse.kernels.attention_train import _load_rows  # a K or V tile, each with its own head dim
@@ -620,13 +620,15 @@ def attention_fwd(
     """
     if new_kv is not None:
         new_k, new_v, cos, sin, start = new_kv
-        if cos is not None:
-            check_rotary_kv_cache_write_args(k, v, q, new_k, new_v, cos, sin, start)
+        fused = all(t.dim() == 4 for t in (q, k, new_k)) and new_k.shape[2] == q.shape[2] and decode_applies(
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], is_causal, mask is not None, q.device,
+            fused_write=True)
+        if fused:  # the decode kernel writes; elsewhere the write kernel's own launcher checks its arguments
+            if cos is not None:
+                check_rotary_kv_cache_write_args(k, v, q, new_k, new_v, cos, sin, start)
+            else:
+                check_kv_cache_write_args(k, v, new_k, new_v, start)
         else:
-            check_kv_cache_write_args(k, v, new_k, new_v, start)
-        if not (q.dim() == 4 and new_k.shape[2] == q.shape[2] <= _NEW_ROWS and decode_applies(
-                q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], is_causal, mask is not None, q.device,
-                fused_write=True)):
             if cos is not None:
                 q = rotary_kv_cache_write_fwd(k, v, q, new_k, new_v, cos, sin, start)
             else:

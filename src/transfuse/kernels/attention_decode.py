@@ -48,8 +48,9 @@ MAX_QUERY_ROWS = 8
 # Fewest keys worth a split of their own: below this the combine costs more than the split saves.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-# Rows of the new-keys block of a fused cache write (a tl.dot side is at least 16; n <= MAX_QUERY_ROWS).
-_NEW_ROWS = 16
+# Rows of the new-keys block of a fused cache write: its n <= MAX_QUERY_ROWS keys (decode_applies), and a
+# tl.dot side is at least 16.
+_NEW_ROWS = max(16, next_power_of_2(MAX_QUERY_ROWS))
 
 
 @triton.jit

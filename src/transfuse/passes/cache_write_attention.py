@@ -27,14 +27,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from transfuse.passes.graph import node_order, writes_in_place
+from transfuse.passes.graph import arg, node_order, writes_in_place
 from transfuse.passes.manager import PassContext
 
 PATTERN = "RotaryCacheAttention"
 PLAIN_PATTERN = "KVCacheAttention"
 _OPS = torch.ops.transfuse
 _ATTENTION_ARGS = ("q", "k", "v", "mask", "mask_summary", "scale", "is_causal", "masked_rows_zero", "key_len", "sinks")
-_ATTENTION_DEFAULTS = {"key_len": None, "sinks": None}
 _CACHE_ARGS = {_OPS.rotary_kv_cache_write.default: (0, 1), _OPS.qkv_rotary_cache_write.default: (10, 11),
                _OPS.kv_cache_write.default: (0, 1)}
 
@@ -52,13 +51,8 @@ def _write_of(q: fx.Node) -> fx.Node | None:
 
 
 def _attention_args(attention: fx.Node) -> list:
-    args = list(attention.args) + [None] * (len(_ATTENTION_ARGS) - len(attention.args))
-    for i, name in enumerate(_ATTENTION_ARGS):
-        if name in attention.kwargs:
-            args[i] = attention.kwargs[name]
-        elif i >= len(attention.args):
-            args[i] = _ATTENTION_DEFAULTS[name]
-    return args
+    """transfuse.attention's arguments by position, keywords included (key_len and sinks default to None)."""
+    return [arg(attention, i, name) for i, name in enumerate(_ATTENTION_ARGS)]
 
 
 def _plain_write_of(attention: fx.Node, keys, order: dict) -> fx.Node | None:
@@ -71,7 +65,11 @@ def _plain_write_of(attention: fx.Node, keys, order: dict) -> fx.Node | None:
 def _placement(write: fx.Node, attention: fx.Node, q: fx.Node | None, order: dict) -> fx.Node | None:
     """The node to insert the fused op before (the write or the attention), or None; q: the write's
     rotated queries (None for a plain write)."""
-    between = [n for n in write.graph.nodes if order[write] < order[n] < order[attention]]
+    between = []
+    node = write.next
+    while node is not attention:
+        between.append(node)
+        node = node.next
     others = set(attention.all_input_nodes) - {q}
     if all(order[n] < order[write] for n in others - set(write.all_input_nodes)) and not any(
             writes_in_place(n) and others & set(n.all_input_nodes) for n in between):
@@ -99,17 +97,17 @@ def _reads_size_only(node: fx.Node) -> bool:
 _IN_BETWEEN = "a node between the cache write and the attention writes or reads their inputs"
 
 
-def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -> None:
+def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -> bool:
     write = _plain_write_of(attention, args[1], order)
     if write is None:
-        return
+        return False
     if write.args[1] is not args[2]:
         ctx.reject(PLAIN_PATTERN, attention, "the attention reads other values than the cache the write fills")
-        return
+        return False
     where = _placement(write, attention, None, order)
     if where is None:
         ctx.reject(PLAIN_PATTERN, attention, _IN_BETWEEN)
-        return
+        return False
     graph = ctx.gm.graph
     keys, values, k, v, start = write.args
     with graph.inserting_before(where):
@@ -119,21 +117,22 @@ def _fuse_plain(ctx: PassContext, attention: fx.Node, args: list, order: dict) -
     graph.erase_node(attention)
     graph.erase_node(write)
     ctx.matched(PLAIN_PATTERN)
+    return True
 
 
-def _fuse_rotary(ctx: PassContext, attention: fx.Node, args: list, write: fx.Node, order: dict) -> None:
+def _fuse_rotary(ctx: PassContext, attention: fx.Node, args: list, write: fx.Node, order: dict) -> bool:
     q = args[0]
     keys, values = (write.args[i] for i in _CACHE_ARGS[write.target])
     if args[1] is not keys or args[2] is not values:
         ctx.reject(PATTERN, attention, "the attention reads other keys or values than the cache the write fills")
-        return
+        return False
     if len(q.users) != 1:
         ctx.reject(PATTERN, attention, "the rotated queries are read by more than the attention")
-        return
+        return False
     where = _placement(write, attention, q, order)
     if where is None:
         ctx.reject(PATTERN, attention, _IN_BETWEEN)
-        return
+        return False
     graph = ctx.gm.graph
     with_linear = write.target is _OPS.qkv_rotary_cache_write.default
     with graph.inserting_before(where):
@@ -156,6 +155,7 @@ def _fuse_rotary(ctx: PassContext, attention: fx.Node, args: list, write: fx.Nod
         graph.erase_node(q)
     graph.erase_node(write)
     ctx.matched(PATTERN)
+    return True
 
 
 def run(ctx: PassContext) -> None:
@@ -166,7 +166,8 @@ def run(ctx: PassContext) -> None:
         args = _attention_args(attention)
         write = _write_of(args[0]) if isinstance(args[0], fx.Node) else None
         if write is not None:
-            _fuse_rotary(ctx, attention, args, write, order)
-        elif isinstance(args[1], fx.Node):
-            _fuse_plain(ctx, attention, args, order)
-        order = node_order(graph)
+            fused = _fuse_rotary(ctx, attention, args, write, order)
+        else:
+            fused = isinstance(args[1], fx.Node) and _fuse_plain(ctx, attention, args, order)
+        if fused:
+            order = node_order(graph)
