@@ -2,7 +2,7 @@
 generate() of 64 tokens: its time per step, the GPU time of each step's CUDA-graph replay (CUDA
 events recorded around every replay), and the host time of the replay call itself.
 
-    PYTHONPATH=src python3 bench/profile_step_replay.py [--models t5-base,llama-1.1b,gpt2] [--batch 1]
+    PYTHONPATH=src python3 bench/profile_step_replay.py [--models t5-base,llama-1.1b,gpt2] [--batch 1] [--disable PASS,...]
 
 Random weights, fp16, greedy; a 32-token prompt (128-token encoder input for T5/BART), 64 new tokens.
 """
@@ -40,12 +40,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="t5-base,llama-1.1b,gpt2")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--disable", default="", help="passes to leave out (optimize's disable=), comma-separated")
     args = parser.parse_args()
+    disable = [p for p in args.disable.split(",") if p]
     print(f"{'model':<12} {'gen ms/step':>11} {'replay GPU ms':>13} {'replay host ms':>14}")
     for name in args.models.split(","):
         torch.manual_seed(0)
         model, prompt = build(name)
-        transfuse.optimize(model)
+        transfuse.optimize(model, disable=disable)
         ids = torch.randint(3, model.config.vocab_size, (args.batch, prompt), device="cuda")
         gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
         with torch.inference_mode():
