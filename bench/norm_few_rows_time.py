@@ -1,31 +1,19 @@
 """GPU time of the norm inside the few-rows GEMM (norm_few_rows_fwd) against the norm kernel then
 few_rows_fwd, at Llama-1.1B's batch-8 decode shapes: 20 launches captured in a CUDA graph, the
-median of 20 replays per launch. Dev tool: PYTHONPATH=src python3 bench/norm_few_rows_time.py"""
-import statistics
-
+median of 20 replays per launch (transfuse.bench.timing.graph_replay_us). Dev tool:
+PYTHONPATH=src python3 bench/norm_few_rows_time.py
+(Session 42's figures came from this tool's first version, which timed the same way inline, after
+one warm-up call on the default stream instead of three on a side stream.)"""
 import torch
 
+from transfuse.bench.timing import graph_replay_us
 from transfuse.kernels import gemm_few_rows as fr
 from transfuse.kernels import norm
 from transfuse.kernels.norm_prologue import NormPrologue
 
 
-def gpu_us(fn, launches=20, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
+def gpu_us(fn):
+    return graph_replay_us(fn, repeat=20, replays=20)
 
 
 for M, K, N, act in [(8, 2048, 2560, "none"), (8, 2048, 5632, "silu_mul"), (16, 768, 3072, "gelu")]:
