@@ -41,8 +41,11 @@ layer's two norms is a launch of its own (1.5-2.7 us), 44 of a step's ~200 launc
 2.2-2.6x slower than the norm kernel then few_rows_fwd (H200, fp16, 8 rows: Llama-1.1B's QKV 14.3
 against 1.6 + 5.3 us, its gate-up 28.2 against 1.6 + 10.7; bench/norm_few_rows_time.py,
 bench/results/2026-12-02-*-norm-few-rows-*-session42.log): the cost grew with the K steps (~1.1
-us each), as if every step waited for its x tile from L2. The tiles are now loaded one step ahead;
-that form has not been timed. ops/norm_linear.py routes rows 3-32 to it once it is measured faster.
+us each), as if every step waited for its x tile from L2. The tiles are now loaded one step ahead,
+from row pointers formed once (ptxas -v for sm_90a with triton 3.8, fp16, 16-row side: 104 bytes of
+spills instead of 324 for the plain linear with an add + RMSNorm; the plain few-rows kernel uses 255
+registers and spills none; gated, the norm adds ~200 bytes to the 1.3 KB the kernel spills without
+it). That form has not been timed. ops/norm_linear.py routes rows 3-32 to it once it is measured faster.
 
 Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all rows and the pid_k-th
 of SPLIT_K slices of K; rows past M wrap back into range (never stored), so loads need masks along
@@ -124,9 +127,9 @@ def _summed_tile(x_ptr, stride_x_m, nres_ptr, stride_nres_m, rows, kk, in_k,
                  NORM_RESIDUAL: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
     """(len(kk), BLOCK_M) of x.T, or of (x + residual).T rounded to x's dtype as the norm kernel
     rounds the sum, in fp32; zero past K."""
-    x = tl.load(x_ptr + rows[None, :] * stride_x_m + kk[:, None], mask=in_k[:, None], other=0.0).to(tl.float32)
+    x = tl.load((x_ptr + rows * stride_x_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0).to(tl.float32)
     if NORM_RESIDUAL:
-        res = tl.load(nres_ptr + rows[None, :] * stride_nres_m + kk[:, None], mask=in_k[:, None], other=0.0)
+        res = tl.load((nres_ptr + rows * stride_nres_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
         x = _round_to(x + res.to(tl.float32), x_ptr.dtype.element_ty, BF16_RNE_BY_HAND).to(tl.float32)
     return x
 
@@ -167,12 +170,12 @@ def _norm_inputs(x_ptr, stride_x_m, nres_ptr, stride_nres_m, nw_ptr, nb_ptr, row
     """What _normed_tile reads at K positions kk, as stored (zero past K): x.T and the residual's
     (BLOCK_K, BLOCK_M), the norm's weight and bias (BLOCK_K,); x.T again for those the norm has not.
     Loaded one K step ahead of their use, so that their L2 latency overlaps a step of the loop."""
-    x = tl.load(x_ptr + rows[None, :] * stride_x_m + kk[:, None], mask=in_k[:, None], other=0.0)
+    x = tl.load((x_ptr + rows * stride_x_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
     res = x
     g = x
     b = x
     if NORM_RESIDUAL:
-        res = tl.load(nres_ptr + rows[None, :] * stride_nres_m + kk[:, None], mask=in_k[:, None], other=0.0)
+        res = tl.load((nres_ptr + rows * stride_nres_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
     if NORM_WEIGHT:
         g = tl.load(nw_ptr + kk, mask=in_k, other=0.0)
     if NORM_BIAS:
