@@ -1,0 +1,63 @@
+"""Registers and spills of the few-rows GEMM kernel (kernels/gemm_few_rows.py), compiled for sm_90a
+on a machine without a GPU: Triton builds the PTX, and the ptxas shipped with it reports what the
+kernel uses (`ptxas -v`). No device time.
+
+    PYTHONPATH=src python3 bench/few_rows_registers.py [--norm] [--gated] [--warps 4] [--stat-k 512]
+
+Run it with the Triton to ask about: the GPU image has 3.6 (PYTHONPATH=<unpacked triton 3.6 wheel>:src
+works beside the development machine's 3.8). fp16, 16-row x side, unsplit, no bias or residual; the
+norm is an add + RMSNorm cast before its weight (Llama's).
+"""
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from transfuse.kernels import gemm_few_rows
+
+_POINTERS = {"x_ptr": "*fp16", "w_ptr": "*fp16", "bias_ptr": "*fp16", "res_ptr": "*fp16", "out_ptr": "*fp16",
+             "part_ptr": "*fp32", "nres_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16", "sum_ptr": "*fp16",
+             "normed_ptr": "*fp16", "ticket_ptr": "*i32"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--norm", action="store_true")
+    parser.add_argument("--gated", action="store_true")
+    parser.add_argument("--warps", type=int, default=None, help="default: the launcher's config")
+    parser.add_argument("--stat-k", type=int, default=512)
+    args = parser.parse_args()
+    conf = gemm_few_rows.default_config(args.gated)
+    const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
+                 DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+                 NORM=args.norm, NORM_RESIDUAL=args.norm, NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False,
+                 CAST_BEFORE_WEIGHT=args.norm, STORE_NORMED=False, BF16_RNE_BY_HAND=False,
+                 STAT_K=args.stat_k if args.norm else 16, PDL=0)
+    kernel = gemm_few_rows._few_rows_fwd_kernel
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {p: "constexpr" if p in const else _POINTERS.get(p, "fp32" if p in ("eps", "weight_offset") else "i32")
+                 for p in params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in const.items()})
+    warps = args.warps or conf.num_warps
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=conf.num_stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
+                                capture_output=True, text=True, check=True)
+    lines = [line.strip() for line in (report.stdout + report.stderr).splitlines() if "spill" in line or "registers" in line]
+    print(f"triton {triton.__version__} norm={args.norm} gated={args.gated} warps={warps} "
+          f"stages={conf.num_stages} tile={conf.block_n}x{conf.block_k}: " + "; ".join(lines))
+
+
+if __name__ == "__main__":
+    main()
