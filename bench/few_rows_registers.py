@@ -1,8 +1,10 @@
-"""Registers and spills of the few-rows GEMM kernel (kernels/gemm_few_rows.py), compiled for sm_90a
-on a machine without a GPU: Triton builds the PTX, and the ptxas shipped with it reports what the
-kernel uses (`ptxas -v`). No device time.
+"""Registers and spills of the decode GEMM kernels, compiled for sm_90a on a machine without a GPU:
+Triton builds the PTX, and the ptxas shipped with it reports what the kernel uses (`ptxas -v`). No
+device time. The few-rows GEMM (kernels/gemm_few_rows.py, 3-32 rows) by default; `--gemv`, the
+GEMV (kernels/gemv.py, 1-2 rows) with its launcher's config for one row of Llama-1.1B's K = 2048
+(the norm prologue holds the whole row: one K step of 2048).
 
-    PYTHONPATH=src python3 bench/few_rows_registers.py [--norm] [--gated] [--warps 4] [--stat-k 512]
+    PYTHONPATH=src python3 bench/few_rows_registers.py [--gemv] [--norm] [--gated] [--warps 4] [--stat-k 512]
 
 Run it with the Triton to ask about: the GPU image has 3.6 (PYTHONPATH=<unpacked triton 3.6 wheel>:src
 works beside the development machine's 3.8). fp16, 16-row x side, unsplit, no bias or residual; the
@@ -19,7 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from transfuse.kernels import gemm_few_rows
+from transfuse.kernels import gemm_few_rows, gemv
+from transfuse.kernels._config import next_power_of_2
 
 _POINTERS = {"x_ptr": "*fp16", "w_ptr": "*fp16", "bias_ptr": "*fp16", "res_ptr": "*fp16", "out_ptr": "*fp16",
              "part_ptr": "*fp32", "nres_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16", "sum_ptr": "*fp16",
@@ -32,21 +35,17 @@ def main() -> None:
     parser.add_argument("--gated", action="store_true")
     parser.add_argument("--warps", type=int, default=None, help="default: the launcher's config")
     parser.add_argument("--stat-k", type=int, default=512)
+    parser.add_argument("--gemv", action="store_true", help="the GEMV kernel at one row instead")
     args = parser.parse_args()
-    conf = gemm_few_rows.default_config(args.gated)
-    const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
-                 DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
-                 NORM=args.norm, NORM_RESIDUAL=args.norm, NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False,
-                 CAST_BEFORE_WEIGHT=args.norm, STORE_NORMED=False, BF16_RNE_BY_HAND=False,
-                 STAT_K=args.stat_k if args.norm else 16, PDL=0)
-    kernel = gemm_few_rows._few_rows_fwd_kernel
+    if args.gemv:
+        kernel, const, warps, stages, tile = _gemv(args)
+    else:
+        kernel, const, warps, stages, tile = _few_rows(args)
     params = list(inspect.signature(kernel.fn).parameters)
     signature = {p: "constexpr" if p in const else _POINTERS.get(p, "fp32" if p in ("eps", "weight_offset") else "i32")
                  for p in params}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in const.items()})
-    warps = args.warps or conf.num_warps
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=conf.num_stages))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
@@ -55,8 +54,35 @@ def main() -> None:
         report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
                                 capture_output=True, text=True, check=True)
     lines = [line.strip() for line in (report.stdout + report.stderr).splitlines() if "spill" in line or "registers" in line]
-    print(f"triton {triton.__version__} norm={args.norm} gated={args.gated} warps={warps} "
-          f"stages={conf.num_stages} tile={conf.block_n}x{conf.block_k}: " + "; ".join(lines))
+    print(f"triton {triton.__version__} {'gemv' if args.gemv else 'few_rows'} norm={args.norm} gated={args.gated} "
+          f"warps={warps} stages={stages} tile={tile}: " + "; ".join(lines))
+
+
+def _gemv(args):
+    K = 2048
+    if args.norm:  # norm_gemv_step's rule, with an H100/H200's 132 SMs
+        conf = gemv.default_config(1, 2560, K, 132, args.gated, norm=True)
+        block_k = max(next_power_of_2(K), conf.block_k)
+        vec, warps = min(conf.block_k, 8), max(conf.num_warps, min(8, block_k // (64 * 32)))
+    else:
+        conf = gemv.default_config(1, 2560, K, 132, args.gated)
+        block_k, vec, warps = conf.block_k, min(conf.block_k, 8), conf.num_warps
+    const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_M=1,
+                 BLOCK_N=conf.block_n, BLOCK_K=block_k, VEC=vec, NORM=args.norm, NORM_RESIDUAL=args.norm,
+                 NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False, CAST_BEFORE_WEIGHT=args.norm,
+                 STORE_NORMED=False, BF16_RNE_BY_HAND=False, PDL=0)
+    return gemv._gemv_fwd_kernel, const, args.warps or warps, 1, f"{conf.block_n}x{block_k}"
+
+
+def _few_rows(args):
+    conf = gemm_few_rows.default_config(args.gated)
+    const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
+                 DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
+                 NORM=args.norm, NORM_RESIDUAL=args.norm, NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False,
+                 CAST_BEFORE_WEIGHT=args.norm, STORE_NORMED=False, BF16_RNE_BY_HAND=False,
+                 STAT_K=args.stat_k if args.norm else 16, PDL=0)
+    return (gemm_few_rows._few_rows_fwd_kernel, const, args.warps or conf.num_warps, conf.num_stages,
+            f"{conf.block_n}x{conf.block_k}")
 
 
 if __name__ == "__main__":
