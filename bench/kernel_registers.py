@@ -1,10 +1,14 @@
-"""Registers and spills of the decode GEMM kernels, compiled for sm_90a on a machine without a GPU:
+"""Registers and spills of the decode kernels, compiled for sm_90a on a machine without a GPU:
 Triton builds the PTX, and the ptxas shipped with it reports what the kernel uses (`ptxas -v`). No
 device time. The few-rows GEMM (kernels/gemm_few_rows.py, 3-32 rows) by default; `--gemv`, the
 GEMV (kernels/gemv.py, 1-2 rows) with its launcher's config for one row of Llama-1.1B's K = 2048
-(the norm prologue holds the whole row: one K step of 2048).
+(the norm prologue holds the whole row: one K step of 2048); `--decode-attention`, the decode
+attention (kernels/attention_decode.py) at Llama-1.1B's geometry (head dim 64, 8 query heads a KV
+head, one query row, a mask with its summary and the filled length), with `--new-kv` the fused
+rotary + cache write of a decode step.
 
-    PYTHONPATH=src python3 bench/few_rows_registers.py [--gemv] [--norm] [--gated] [--warps 4] [--stat-k 512]
+    PYTHONPATH=src python3 bench/kernel_registers.py [--gemv | --decode-attention [--new-kv]] [--norm] [--gated]
+        [--warps 4] [--stat-k 512]
 
 Run it with the Triton to ask about: the GPU image has 3.6 (PYTHONPATH=<unpacked triton 3.6 wheel>:src
 works beside the development machine's 3.8). fp16, 16-row x side, unsplit, no bias or residual; the
@@ -24,9 +28,16 @@ from triton.compiler import ASTSource
 from transfuse.kernels import gemm_few_rows, gemv
 from transfuse.kernels._config import next_power_of_2
 
-_POINTERS = {"x_ptr": "*fp16", "w_ptr": "*fp16", "bias_ptr": "*fp16", "res_ptr": "*fp16", "out_ptr": "*fp16",
-             "part_ptr": "*fp32", "nres_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16", "sum_ptr": "*fp16",
-             "normed_ptr": "*fp16", "ticket_ptr": "*i32"}
+# Pointer arguments that are not fp16 (every other *_ptr is)
+_POINTERS = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "ml_ptr": "*fp32", "summary_ptr": "*i8",
+             "key_len_ptr": "*i32", "sinks_ptr": "*fp32", "start_ptr": "*i64"}
+_FLOATS = ("eps", "weight_offset", "scale")
+
+
+def _argument_type(name: str) -> str:
+    if name.endswith("_ptr"):
+        return _POINTERS.get(name, "*fp16")
+    return "fp32" if name in _FLOATS else "i32"
 
 
 def main() -> None:
@@ -36,14 +47,17 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=None, help="default: the launcher's config")
     parser.add_argument("--stat-k", type=int, default=512)
     parser.add_argument("--gemv", action="store_true", help="the GEMV kernel at one row instead")
+    parser.add_argument("--decode-attention", action="store_true", help="the decode attention instead")
+    parser.add_argument("--new-kv", action="store_true", help="with --decode-attention: the fused cache write")
     args = parser.parse_args()
     if args.gemv:
         kernel, const, warps, stages, tile = _gemv(args)
+    elif args.decode_attention:
+        kernel, const, warps, stages, tile = _decode_attention(args)
     else:
         kernel, const, warps, stages, tile = _few_rows(args)
     params = list(inspect.signature(kernel.fn).parameters)
-    signature = {p: "constexpr" if p in const else _POINTERS.get(p, "fp32" if p in ("eps", "weight_offset") else "i32")
-                 for p in params}
+    signature = {p: "constexpr" if p in const else _argument_type(p) for p in params}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in const.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -54,8 +68,20 @@ def main() -> None:
         report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
                                 capture_output=True, text=True, check=True)
     lines = [line.strip() for line in (report.stdout + report.stderr).splitlines() if "spill" in line or "registers" in line]
-    print(f"triton {triton.__version__} {'gemv' if args.gemv else 'few_rows'} norm={args.norm} gated={args.gated} "
+    name = "gemv" if args.gemv else f"decode_attention new_kv={args.new_kv}" if args.decode_attention else "few_rows"
+    print(f"triton {triton.__version__} {name} norm={args.norm} gated={args.gated} "
           f"warps={warps} stages={stages} tile={tile}: " + "; ".join(lines))
+
+
+def _decode_attention(args):
+    from transfuse.kernels import attention_decode
+
+    const = dict(HEAD_DIM=64, HEAD_DIM_V=64, BLOCK_D=64, BLOCK_DV=64, HAS_KEY_LEN=True, HAS_SINKS=False,
+                 HAS_MASK=True, MASK_IS_BOOL=False, HAS_SUMMARY=True, SUMMARY_BLOCK_N=64, SUMMARY_K_POW2=4,
+                 GROUP_POW2=8, MASKED_ROWS_ZERO=False, LOAD_AS_FP32=False, DOT_PRECISION=None, SPLITS=1,
+                 BLOCK_M=16, BLOCK_N=64, NEW_KV=args.new_kv, ROTARY=args.new_kv,
+                 NEW_ROWS=attention_decode._NEW_ROWS, PDL=0)
+    return attention_decode._attention_decode_kernel, const, args.warps or 4, 3, "16x64"
 
 
 def _gemv(args):
