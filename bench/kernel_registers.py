@@ -8,7 +8,7 @@ head, one query row, a mask with its summary and the filled length), with `--new
 rotary + cache write of a decode step.
 
     PYTHONPATH=src python3 bench/kernel_registers.py [--gemv | --decode-attention [--new-kv]] [--norm] [--gated]
-        [--warps 4] [--stat-k 512]
+        [--warps 4] [--stat-k 512] [--tile BLOCK_N,BLOCK_K,STAGES]
 
 Run it with the Triton to ask about: the GPU image has 3.6 (PYTHONPATH=<unpacked triton 3.6 wheel>:src
 works beside the development machine's 3.8). fp16, 16-row x side, unsplit, no bias or residual; the
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--gated", action="store_true")
     parser.add_argument("--warps", type=int, default=None, help="default: the launcher's config")
     parser.add_argument("--stat-k", type=int, default=512)
+    parser.add_argument("--tile", default=None, help="few-rows BLOCK_N,BLOCK_K,stages instead of the default config's")
     parser.add_argument("--gemv", action="store_true", help="the GEMV kernel at one row instead")
     parser.add_argument("--decode-attention", action="store_true", help="the decode attention instead")
     parser.add_argument("--new-kv", action="store_true", help="with --decode-attention: the fused cache write")
@@ -102,6 +103,9 @@ def _gemv(args):
 
 def _few_rows(args):
     conf = gemm_few_rows.default_config(args.gated)
+    if args.tile:
+        block_n, block_k, stages = (int(v) for v in args.tile.split(","))
+        conf = conf._replace(block_n=block_n, block_k=block_k, num_stages=stages)
     const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
                  DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
                  NORM=args.norm, NORM_RESIDUAL=args.norm, NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False,
