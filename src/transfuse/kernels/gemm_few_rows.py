@@ -66,7 +66,7 @@ from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, 
 from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile_in_last_split,
                                     check_linear_args, is_gated)
 from transfuse.kernels.norm import _round_to
-from transfuse.kernels.norm_prologue import NormPrologue, launch_args
+from transfuse.kernels.norm_prologue import NormPrologue, check_normed, launch_args, norm_rows, operands_match
 
 NO_SPLIT_ENV = "TRANSFUSE_FEW_ROWS_NO_SPLIT"  # =1: never time a split (A/B runs)
 FEW_ROWS_MAX = 32  # the x side of the dot: rows are padded (wrapped) to 16, or to 32 from 17
@@ -353,10 +353,7 @@ def few_rows_fwd(
 def norm_few_rows_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue) -> bool:
     """Whether norm_few_rows_fwd takes this: few_rows_applies, and the norm's residual, weight and
     bias of x's dtype and device, the residual of x's shape, weight and bias (K,)."""
-    same = [t for t in (norm.residual, norm.weight, norm.bias) if t is not None]
-    return (few_rows_applies(x, weight) and all(t.dtype == x.dtype and t.device == x.device for t in same)
-            and (norm.residual is None or norm.residual.shape == x.shape)
-            and all(t.shape == (x.shape[-1],) for t in (norm.weight, norm.bias) if t is not None))
+    return few_rows_applies(x, weight) and operands_match(x, norm)
 
 
 def norm_few_rows_fwd(
@@ -380,17 +377,9 @@ def norm_few_rows_fwd(
     N = check_linear_args(x, weight, bias, activation, None)
     K = x.shape[-1]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if res2 is not None and res2.stride(1) != 1:
-        res2 = res2.contiguous()
+    x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
-    if normed is not None and (normed.shape != x.shape or normed.dtype != x.dtype or normed.device != x.device
-                               or not normed.is_contiguous()):
-        raise ValueError(f"norm_few_rows_fwd: normed must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
-                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty(x.shape, ...)")
+    check_normed(normed, x, "norm_few_rows_fwd")
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
     norm_args, norm_flags = launch_args(norm._replace(residual=res2), x2, summed,

@@ -58,7 +58,7 @@ from transfuse.kernels import gemv_kmajor
 from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, tune_configs, wait_for_previous_kernel
 from transfuse.kernels.gemm import EpilogueOperands, _finish_tile, check_linear_args, is_gated
 from transfuse.kernels.norm import _round_to
-from transfuse.kernels.norm_prologue import NormPrologue, launch_args
+from transfuse.kernels.norm_prologue import NormPrologue, check_normed, launch_args, norm_rows, operands_match
 
 GEMV_M_MAX = 16  # rows gemv_fwd takes
 GEMV_FAST_M_MAX = 2  # rows up to which it matched or beat cuBLAS on every Llama shape (see above)
@@ -383,24 +383,7 @@ NORM_K_MAX = 8192  # the whole row is one K step in registers: 64 fp32 values a 
 def norm_gemv_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue, max_rows: int = GEMV_FAST_M_MAX) -> bool:
     """Whether norm_gemv_fwd takes this: gemv_applies, a row of at most NORM_K_MAX, 16-bit or fp32
     tensors all of x's dtype (the normalised row is rounded to it, as the unfused op's output)."""
-    same = [t for t in (norm.residual, norm.weight, norm.bias) if t is not None]
-    return (gemv_applies(x, weight, max_rows) and x.shape[-1] <= NORM_K_MAX
-            and all(t.dtype == x.dtype and t.device == x.device for t in same)
-            and (norm.residual is None or norm.residual.shape == x.shape)
-            and all(t.shape == (x.shape[-1],) for t in (norm.weight, norm.bias) if t is not None))
-
-
-def norm_rows(x: torch.Tensor, norm: NormPrologue) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x and the norm's residual (or None) as (M, K) rows with unit stride along K, as the norm-GEMV
-    kernels read them (a copy only where the stride is not 1)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if res2 is not None and res2.stride(1) != 1:
-        res2 = res2.contiguous()
-    return x2, res2
+    return gemv_applies(x, weight, max_rows) and x.shape[-1] <= NORM_K_MAX and operands_match(x, norm)
 
 
 def norm_gemv_step(M: int, N: int, K: int, x: torch.Tensor, gated: bool = False) -> tuple[GemvConfig, int, int, int]:
@@ -438,10 +421,7 @@ def norm_gemv_fwd(
     lead = x.shape[:-1]
     x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
-    if normed is not None and (normed.shape != x.shape or normed.dtype != x.dtype or normed.device != x.device
-                               or not normed.is_contiguous()):
-        raise ValueError(f"norm_gemv_fwd: normed must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
-                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty(x.shape, ...)")
+    check_normed(normed, x, "norm_gemv_fwd")
     normed2 = normed.view(M, K) if normed is not None else None
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)

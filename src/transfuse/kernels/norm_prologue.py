@@ -1,7 +1,9 @@
 """The norm a decode GEMV applies to its rows before multiplying (RMSNorm or LayerNorm, with the
-residual add before it), and the launch arguments that describe it to both GEMV kernels
-(kernels/gemv.py for (N, K) weights, kernels/gemv_kmajor.py for (K, N) ones): the same pointers,
-strides and constexprs in the same order, packed here once."""
+residual add before it), and what every kernel with this prologue shares (the GEMV kernels,
+kernels/gemv.py for (N, K) weights and kernels/gemv_kmajor.py for (K, N) ones, and the few-rows GEMM,
+kernels/gemm_few_rows.py): the check of the norm's operands, its rows as the kernels read them, the
+check of a `normed` output, and the launch arguments (the same pointers, strides and constexprs in
+the same order), each written here once."""
 
 from __future__ import annotations
 
@@ -22,6 +24,37 @@ class NormPrologue(NamedTuple):
     cast_before_weight: bool
     bias: torch.Tensor | None = None
     layer: bool = False
+
+
+def operands_match(x: torch.Tensor, norm: NormPrologue) -> bool:
+    """Whether the norm's residual, weight and bias are of x's dtype and device (the normalised row is
+    rounded to it, as the unfused op's output), the residual of x's shape, weight and bias (K,)."""
+    same = [t for t in (norm.residual, norm.weight, norm.bias) if t is not None]
+    return (all(t.dtype == x.dtype and t.device == x.device for t in same)
+            and (norm.residual is None or norm.residual.shape == x.shape)
+            and all(t.shape == (x.shape[-1],) for t in (norm.weight, norm.bias) if t is not None))
+
+
+def norm_rows(x: torch.Tensor, norm: NormPrologue) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x and the norm's residual (or None) as (M, K) rows with unit stride along K, as the norm-prologue
+    kernels read them (a copy only where the stride is not 1)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    res2 = norm.residual.reshape(-1, K) if norm.residual is not None else None
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if res2 is not None and res2.stride(1) != 1:
+        res2 = res2.contiguous()
+    return x2, res2
+
+
+def check_normed(normed: torch.Tensor | None, x: torch.Tensor, launcher: str) -> None:
+    """Raises unless `normed` (where a launcher stores the normalised rows) is None or a contiguous
+    tensor of x's shape, dtype and device."""
+    if normed is not None and (normed.shape != x.shape or normed.dtype != x.dtype or normed.device != x.device
+                               or not normed.is_contiguous()):
+        raise ValueError(f"{launcher}: normed must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
+                         f"{x.device}, got {tuple(normed.shape)} {normed.dtype}: allocate it with torch.empty(x.shape, ...)")
 
 
 def launch_args(norm: NormPrologue | None, x2: torch.Tensor, summed: torch.Tensor | None = None,

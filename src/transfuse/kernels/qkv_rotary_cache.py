@@ -39,7 +39,7 @@ import triton.language as tl
 from transfuse.kernels import gemv
 from transfuse.kernels._config import INTERPRET, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemv import _normed_rows
-from transfuse.kernels.norm_prologue import NormPrologue, launch_args
+from transfuse.kernels.norm_prologue import NormPrologue, launch_args, norm_rows
 
 
 @triton.jit(do_not_specialize=["M", "n", "L"])
@@ -197,7 +197,7 @@ def qkv_rotary_cache_fwd(x: torch.Tensor, norm: NormPrologue, weight: torch.Tens
                          "qkv_rotary_cache_applies); run norm_gemv_fwd and rotary_kv_cache_write_fwd")
     B, n, K = x.shape
     HK, L, D = keys.shape[1], keys.shape[2], keys.shape[3]
-    x2, res2 = gemv.norm_rows(x, norm)
+    x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
     q_out = torch.empty((B, q_heads, n, D), device=x.device, dtype=x.dtype)
     summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
