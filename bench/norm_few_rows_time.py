@@ -5,6 +5,8 @@ warps. Dev tool:
 PYTHONPATH=src python3 bench/norm_few_rows_time.py
 (Session 42's figures came from this tool's first version: 4 warps only, one weight per shape, which
 an H200's L2 can hold between launches, and one warm-up call on the default stream.)"""
+import itertools
+
 import torch
 
 from transfuse.bench.timing import graph_replay_us
@@ -31,10 +33,10 @@ for M, K, N, act in [(8, 2048, 2560, "none"), (8, 2048, 5632, "silu_mul"), (16, 
     Ws = [torch.randn(N * (2 if gated else 1), K, device="cuda").half() / K ** 0.5 for _ in range(COPIES)]
     p = NormPrologue(r, w, 1e-6, 0.0, True)
     normed, _ = norm.add_rms_norm_fwd(x, r, w, 1e-6, 0.0, True, True)
-    turn = iter(range(1 << 30))
+    weights = itertools.cycle(Ws)
 
     def weight():
-        return Ws[next(turn) % COPIES]
+        return next(weights)
 
     norm_only = gpu_us(lambda: norm.add_rms_norm_fwd(x, r, w, 1e-6, 0.0, True, True))
     line = f"M={M} K={K} N={N} {act:<8} norm {norm_only:5.2f} us"
