@@ -42,10 +42,11 @@ layer's two norms is a launch of its own (1.5-2.7 us), 44 of a step's ~200 launc
 against 1.6 + 5.3 us, its gate-up 28.2 against 1.6 + 10.7; bench/norm_few_rows_time.py,
 bench/results/2026-12-02-*-norm-few-rows-*-session42.log): the cost grew with the K steps (~1.1
 us each), as if every step waited for its x tile from L2. The tiles are now loaded one step ahead,
-from row pointers formed once (ptxas -v for sm_90a with triton 3.8, fp16, 16-row side: 104 bytes of
-spills instead of 324 for the plain linear with an add + RMSNorm; the plain few-rows kernel uses 255
-registers and spills none; gated, the norm adds ~200 bytes to the 1.3 KB the kernel spills without
-it). That form has not been timed. ops/norm_linear.py routes rows 3-32 to it once it is measured faster.
+from row pointers formed once (ptxas -v for sm_90a with triton 3.8: 104 bytes of spills instead of
+324 for the plain linear with an add + RMSNorm), and that form is still slower: 12.1 against 7.4 us
+for the norm kernel then few_rows_fwd (QKV), 20.8 against 16.8 (gate-up), 6.7 against 4.9 (16 rows,
+768 -> 3072, GELU), at 4 warps and at 8 (H200, session 43, weights rotated through four copies; bench/results/
+2026-12-02-*-gated-warps-norm-few-rows-session43.log). So no op routes to it.
 
 Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all rows and the pid_k-th
 of SPLIT_K slices of K; rows past M wrap back into range (never stored), so loads need masks along
@@ -98,6 +99,11 @@ class FewRowsConfig(NamedTuple):
 #   cuBLAS 12.9), o + residual 7.3 -> 6.6 (split 4), bert-base down + residual 8.8 -> 6.0 (split 4);
 #   it loses on short K (bert-base qkv 4.2 -> 5.2) and wide N (lm_head 36 -> 48). So the default
 #   stays unsplit and the dispatcher times split_candidates() per shape.
+# - 8 warps for the gated config, where ptxas reports no spills (684 bytes a thread at 4 warps with
+#   triton 3.6): slower, 15.8 against 14.7 us for Llama-1.1B's gate-up at 8 rows, and a batch-8 step
+#   of 1,060 / 1,067 against 1,048 / 1,050 us (H200, session 43,
+#   bench/results/2026-12-02-*-gated-warps-norm-few-rows-session43.log). The spills cost less than
+#   the warps.
 _PLAIN = FewRowsConfig(32, 256, 1, 5, 4)
 _GATED = FewRowsConfig(64, 128, 1, 3, 4)
 _INTERPRET_CONFIG = FewRowsConfig(16, 16, 1, 1, 4)
