@@ -7,12 +7,12 @@ attention (kernels/attention_decode.py) at Llama-1.1B's geometry (head dim 64, 8
 head, one query row, a mask with its summary and the filled length), with `--new-kv` the fused
 rotary + cache write of a decode step.
 
-    PYTHONPATH=src python3 bench/kernel_registers.py [--gemv | --decode-attention [--new-kv]] [--norm] [--gated]
-        [--warps 4] [--stat-k 512] [--tile BLOCK_N,BLOCK_K,STAGES]
+    PYTHONPATH=src python3 bench/kernel_registers.py [--gemv [--norm] | --decode-attention [--new-kv]] [--gated]
+        [--warps 4] [--tile BLOCK_N,BLOCK_K,STAGES]
 
 Run it with the Triton to ask about: the GPU image has 3.6 (PYTHONPATH=<unpacked triton 3.6 wheel>:src
 works beside the development machine's 3.8). fp16, 16-row x side, unsplit, no bias or residual; the
-norm is an add + RMSNorm cast before its weight (Llama's).
+GEMV's norm (`--norm`) is an add + RMSNorm cast before its weight (Llama's).
 """
 
 import argparse
@@ -45,7 +45,6 @@ def main() -> None:
     parser.add_argument("--norm", action="store_true")
     parser.add_argument("--gated", action="store_true")
     parser.add_argument("--warps", type=int, default=None, help="default: the launcher's config")
-    parser.add_argument("--stat-k", type=int, default=512)
     parser.add_argument("--tile", default=None, help="few-rows BLOCK_N,BLOCK_K,stages instead of the default config's")
     parser.add_argument("--gemv", action="store_true", help="the GEMV kernel at one row instead")
     parser.add_argument("--decode-attention", action="store_true", help="the decode attention instead")
@@ -106,11 +105,10 @@ def _few_rows(args):
     if args.tile:
         block_n, block_k, stages = (int(v) for v in args.tile.split(","))
         conf = conf._replace(block_n=block_n, block_k=block_k, num_stages=stages)
+    if args.norm:
+        raise SystemExit("--norm is the GEMV's (--gemv): the few-rows GEMM has had no norm prologue since 6be8733")
     const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
-                 DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
-                 NORM=args.norm, NORM_RESIDUAL=args.norm, NORM_WEIGHT=args.norm, NORM_BIAS=False, LAYER_NORM=False,
-                 CAST_BEFORE_WEIGHT=args.norm, STORE_NORMED=False, BF16_RNE_BY_HAND=False,
-                 STAT_K=args.stat_k if args.norm else 16, PDL=0)
+                 DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k, PDL=0)
     return (gemm_few_rows._few_rows_fwd_kernel, const, args.warps or conf.num_warps, conf.num_stages,
             f"{conf.block_n}x{conf.block_k}")
 

@@ -28,25 +28,15 @@ padded to 16 or 32, its N side, so the weight streams through the pipelined shar
 Measured in a batch-8 decode step of Llama-1.1B (H100, bench/decode_step_time.py, 2026-11-26):
 1,277 -> 1,226 us, from the gated gate_up (the dispatcher keeps cuBLAS where it is as fast).
 
-Norm prologue (norm_few_rows_fwd): the RMSNorm or LayerNorm (with the residual add before it) that
-feeds the linear, in the same launch. Every program first reads its rows whole (from L2: 8 rows of
-2,048 are 32 KB) for their statistics, then normalises each x tile of its K loop before the dot,
-with the same operations as the norm kernel (kernels/gemv.py's _normed_rows: the normalised value
-rounded to x's dtype where the norm kernel stores it), so the linear reads the values the two
-unfused launches would have given it. A split reads the whole rows for its statistics and
-normalises its own K range. Column block 0 stores the sum (x + residual, the next residual) and,
-for a post-norm layer, the normalised rows. Why: in a batch-8 Llama-1.1B decode step each of a
-layer's two norms is a launch of its own (1.5-2.7 us), 44 of a step's ~200 launches.
-**No op runs it yet.** Its first form, which loaded each step's x tile where it normalised it, was
-2.2-2.6x slower than the norm kernel then few_rows_fwd (H200, fp16, 8 rows: Llama-1.1B's QKV 14.3
-against 1.6 + 5.3 us, its gate-up 28.2 against 1.6 + 10.7; bench/norm_few_rows_time.py,
-bench/results/2026-12-02-*-norm-few-rows-*-session42.log): the cost grew with the K steps (~1.1
-us each), as if every step waited for its x tile from L2. The tiles are now loaded one step ahead,
-from row pointers formed once (ptxas -v for sm_90a with triton 3.8: 104 bytes of spills instead of
-324 for the plain linear with an add + RMSNorm), and that form is still slower: 12.1 against 7.4 us
-for the norm kernel then few_rows_fwd (QKV), 20.8 against 16.8 (gate-up), 6.7 against 4.9 (16 rows,
-768 -> 3072, GELU), at 4 warps and at 8 (H200, session 43, weights rotated through four copies; bench/results/
-2026-12-02-*-gated-warps-norm-few-rows-session43.log). So no op routes to it.
+Tried and removed: the RMSNorm or LayerNorm that feeds the linear (with its residual add) inside
+this kernel's launch, every program reading its rows whole for their statistics and normalising each
+x tile before the dot, to save a layer's two norm launches (1.5-2.7 us each) in batched decode. It
+was exact, and slower than the norm kernel then few_rows_fwd in both its forms (H200, fp16, 8 rows,
+Llama-1.1B): QKV 14.3 against 1.6 + 5.3 us, and with the x tiles loaded a K step ahead 12.1 against
+7.4; gate-up 28.2 against 1.6 + 10.7, then 20.8 against 16.8; at 4 warps and at 8
+(bench/results/2026-12-02-nvidia-h200-norm-few-rows-decode-step-ab-session42.log and
+2026-12-02-nvidia-h200-gated-warps-norm-few-rows-session43.log). The kernel, its tests and its timing
+tool are at commit 6be8733 (norm_few_rows_fwd).
 
 Program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) for all rows and the pid_k-th
 of SPLIT_K slices of K; rows past M wrap back into range (never stored), so loads need masks along
@@ -63,11 +53,9 @@ import triton
 import triton.language as tl
 
 from transfuse.kernels import split_counters
-from transfuse.kernels._config import INTERPRET, next_power_of_2, num_sms, pdl, wait_for_previous_kernel
+from transfuse.kernels._config import INTERPRET, num_sms, pdl, wait_for_previous_kernel
 from transfuse.kernels.gemm import (_WIDEN_DOT_OPERANDS, EpilogueOperands, _dot_precision, _finish_tile_in_last_split,
                                     check_linear_args, is_gated)
-from transfuse.kernels.norm import _round_to
-from transfuse.kernels.norm_prologue import NormPrologue, check_normed, launch_args, norm_rows, operands_match
 
 NO_SPLIT_ENV = "TRANSFUSE_FEW_ROWS_NO_SPLIT"  # =1: never time a split (A/B runs)
 FEW_ROWS_MAX = 32  # the x side of the dot: rows are padded (wrapped) to 16, or to 32 from 17
@@ -128,94 +116,6 @@ def few_rows_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < rows <= FEW_ROWS_MAX)
 
 
-@triton.jit
-def _summed_tile(x_ptr, stride_x_m, nres_ptr, stride_nres_m, rows, kk, in_k,
-                 NORM_RESIDUAL: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr):
-    """(len(kk), BLOCK_M) of x.T, or of (x + residual).T rounded to x's dtype as the norm kernel
-    rounds the sum, in fp32; zero past K."""
-    x = tl.load((x_ptr + rows * stride_x_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0).to(tl.float32)
-    if NORM_RESIDUAL:
-        res = tl.load((nres_ptr + rows * stride_nres_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
-        x = _round_to(x + res.to(tl.float32), x_ptr.dtype.element_ty, BF16_RNE_BY_HAND).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _row_statistics(x_ptr, stride_x_m, nres_ptr, stride_nres_m, sum_ptr, stride_sum_m, rows, row_ok, stores_sum,
-                    K, eps, NORM_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, BF16_RNE_BY_HAND: tl.constexpr,
-                    BLOCK_M: tl.constexpr, STAT_K: tl.constexpr):
-    """(mean, 1 / sqrt(mean square + eps)) of every row over all of K (the mean is 0 for an RMSNorm):
-    a LayerNorm's mean first and then the centred squares, as the norm kernel sums them. With a
-    residual, the programs for which `stores_sum` store the rounded sum on the way."""
-    offs = tl.arange(0, STAT_K)
-    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if LAYER_NORM:
-        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k in range(0, K, STAT_K):
-            in_k = k + offs < K
-            total += tl.sum(_summed_tile(x_ptr, stride_x_m, nres_ptr, stride_nres_m, rows, k + offs, in_k,
-                                         NORM_RESIDUAL, BF16_RNE_BY_HAND), axis=0)
-        mean = total / K
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, STAT_K):
-        in_k = k + offs < K
-        s = _summed_tile(x_ptr, stride_x_m, nres_ptr, stride_nres_m, rows, k + offs, in_k, NORM_RESIDUAL,
-                         BF16_RNE_BY_HAND)
-        if NORM_RESIDUAL:
-            tl.store(sum_ptr + rows[None, :] * stride_sum_m + (k + offs)[:, None], s.to(x_ptr.dtype.element_ty),
-                     mask=in_k[:, None] & row_ok[None, :] & stores_sum)
-        if LAYER_NORM:
-            s = tl.where(in_k[:, None], s - mean[None, :], 0.0)
-        squares += tl.sum(s * s, axis=0)
-    return mean, tl.math.rsqrt(squares / K + eps)
-
-
-@triton.jit
-def _norm_inputs(x_ptr, stride_x_m, nres_ptr, stride_nres_m, nw_ptr, nb_ptr, rows, kk, in_k,
-                 NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr):
-    """What _normed_tile reads at K positions kk, as stored (zero past K): x.T and the residual's
-    (BLOCK_K, BLOCK_M), the norm's weight and bias (BLOCK_K,); x.T again for those the norm has not.
-    Loaded one K step ahead of their use, so that their L2 latency overlaps a step of the loop."""
-    x = tl.load((x_ptr + rows * stride_x_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
-    res = x
-    g = x
-    b = x
-    if NORM_RESIDUAL:
-        res = tl.load((nres_ptr + rows * stride_nres_m)[None, :] + kk[:, None], mask=in_k[:, None], other=0.0)
-    if NORM_WEIGHT:
-        g = tl.load(nw_ptr + kk, mask=in_k, other=0.0)
-    if NORM_BIAS:
-        b = tl.load(nb_ptr + kk, mask=in_k, other=0.0)
-    return x, res, g, b
-
-
-@triton.jit
-def _normed_tile(x, res, g, b, normed_ptr, stride_normed_m, rows, row_ok, stores_normed, kk, in_k, mean, rstd,
-                 weight_offset, NORM_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr,
-                 LAYER_NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, STORE_NORMED: tl.constexpr,
-                 BF16_RNE_BY_HAND: tl.constexpr):
-    """The (BLOCK_K, BLOCK_M) tile of norm(x).T from _norm_inputs' tiles, in x's dtype: the norm
-    kernel's operations (kernels/gemv.py's _normed_rows) on the statistics of _row_statistics."""
-    DTYPE: tl.constexpr = x.dtype
-    y = x.to(tl.float32)
-    if NORM_RESIDUAL:
-        y = _round_to(y + res.to(tl.float32), DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
-    if LAYER_NORM:
-        y = tl.where(in_k[:, None], y - mean[None, :], 0.0)
-    y = y * rstd[None, :]
-    if NORM_WEIGHT:
-        if CAST_BEFORE_WEIGHT:
-            y = _round_to(y, DTYPE, BF16_RNE_BY_HAND).to(tl.float32)
-        y = y * (g.to(tl.float32) + weight_offset)[:, None]
-    if NORM_BIAS:
-        y = y + b.to(tl.float32)[:, None]
-    y = _round_to(y, DTYPE, BF16_RNE_BY_HAND)
-    if STORE_NORMED:
-        tl.store(normed_ptr + rows[None, :] * stride_normed_m + kk[:, None], y,
-                 mask=in_k[:, None] & row_ok[None, :] & stores_normed)
-    return y
-
-
 # M and the workspace strides unspecialised: a new row count or split must not compile another kernel.
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_part_split", "stride_part_m"])
 def _few_rows_fwd_kernel(
@@ -225,11 +125,6 @@ def _few_rows_fwd_kernel(
     res_ptr, stride_res_m, stride_res_n,
     out_ptr, stride_out_m,
     part_ptr, stride_part_split, stride_part_m,  # fp32 partials when SPLIT_K > 1
-    nres_ptr, stride_nres_m,  # the norm prologue's residual (NORM_RESIDUAL)
-    nw_ptr, nb_ptr,  # its weight (NORM_WEIGHT) and bias (NORM_BIAS)
-    sum_ptr, stride_sum_m,  # where x + residual is stored (NORM_RESIDUAL)
-    normed_ptr, stride_normed_m,  # where the normalised rows are stored (STORE_NORMED)
-    eps, weight_offset,
     ticket_ptr,  # int32 arrival counters, one per column block, zero at launch (SPLIT_K > 1)
     M, N, K,
     SPLIT_K,
@@ -241,15 +136,6 @@ def _few_rows_fwd_kernel(
     BLOCK_M: tl.constexpr,  # 16 or 32: x's rows, padded
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr = False,  # x is normalised first (the norm prologue, see the module docstring)
-    NORM_RESIDUAL: tl.constexpr = False,
-    NORM_WEIGHT: tl.constexpr = False,
-    NORM_BIAS: tl.constexpr = False,
-    LAYER_NORM: tl.constexpr = False,  # layer_norm, else rms_norm
-    CAST_BEFORE_WEIGHT: tl.constexpr = False,
-    STORE_NORMED: tl.constexpr = False,
-    BF16_RNE_BY_HAND: tl.constexpr = False,
-    STAT_K: tl.constexpr = 16,  # K step of the statistics pass
     PDL: tl.constexpr = 0,
 ):
     GATED: tl.constexpr = ((ACTIVATION == "silu_mul" or ACTIVATION == "gelu_mul")
@@ -272,35 +158,16 @@ def _few_rows_fwd_kernel(
     w_up_ptrs = w_ptr + (cols + N)[:, None] * stride_w_n + offs_k[None, :] * stride_w_k
     x_ptrs = x_ptr + rows[None, :] * stride_x_m + offs_k[:, None]
     wait_for_previous_kernel(PDL)
-    row_ok = offs_m < M
-    if NORM:
-        mean, rstd = _row_statistics(x_ptr, stride_x_m, nres_ptr, stride_nres_m, sum_ptr, stride_sum_m, rows, row_ok,
-                                     (pid_n == 0) & (pid_k == 0), K, eps, NORM_RESIDUAL, LAYER_NORM, BF16_RNE_BY_HAND,
-                                     BLOCK_M, STAT_K)
-        steps = tl.arange(0, BLOCK_K)
-        nx, nres, ng, nb = _norm_inputs(x_ptr, stride_x_m, nres_ptr, stride_nres_m, nw_ptr, nb_ptr, rows, offs_k,
-                                        steps < k_len, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = acc
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
+            xt = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
             k_mask = tl.arange(0, BLOCK_K) < k_len - k
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        if NORM:
-            # this step's inputs were loaded in the step before; the next step's are requested now
-            cx, cres, cg, cb = nx, nres, ng, nb
-            nx, nres, ng, nb = _norm_inputs(x_ptr, stride_x_m, nres_ptr, stride_nres_m, nw_ptr, nb_ptr, rows,
-                                            offs_k + k + BLOCK_K, steps < k_len - k - BLOCK_K,
-                                            NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS)
-            xt = _normed_tile(cx, cres, cg, cb, normed_ptr, stride_normed_m, rows, row_ok, pid_n == 0, offs_k + k,
-                              steps < k_len - k, mean, rstd, weight_offset, NORM_RESIDUAL, NORM_WEIGHT, NORM_BIAS,
-                              LAYER_NORM, CAST_BEFORE_WEIGHT, STORE_NORMED, BF16_RNE_BY_HAND)
-        elif EVEN_K:
-            xt = tl.load(x_ptrs)
-        else:
             xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
         if _WIDEN_DOT_OPERANDS:
             xt = xt.to(tl.float32)
             w = w.to(tl.float32)
@@ -347,77 +214,21 @@ def few_rows_fwd(
         raise ValueError(f"few_rows_fwd takes 1..{FEW_ROWS_MAX} rows of fp16 or bf16, got "
                          f"{tuple(x.shape)} {x.dtype}: use gemm.linear_fwd")
     K = x.shape[-1]
+    lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], N), device=x.device, dtype=x.dtype)
-    res2 = residual.reshape(-1, N) if residual is not None else None
-    _launch(x2, weight, bias, activation, res2, out, config, split_k, *launch_args(None, x2))
-    return out.view(*x.shape[:-1], N)
-
-
-def norm_few_rows_applies(x: torch.Tensor, weight: torch.Tensor, norm: NormPrologue) -> bool:
-    """Whether norm_few_rows_fwd takes this: few_rows_applies, and the norm's residual, weight and
-    bias of x's dtype and device, the residual of x's shape, weight and bias (K,)."""
-    return few_rows_applies(x, weight) and operands_match(x, norm)
-
-
-def norm_few_rows_fwd(
-    x: torch.Tensor,
-    norm: NormPrologue,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str = "none",
-    split_k: int | None = None,
-    normed: torch.Tensor | None = None,
-    config: FewRowsConfig | tuple[int, int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(norm(s) @ weight.T + bias), s) with s = x + norm.residual (rounded to x's dtype), or s = x
-    and an empty (0,) second output without a residual: the norm prologue of the module docstring, for
-    x of at most 32 rows. `normed`, a contiguous tensor of x's shape and dtype, also receives the
-    normalised rows (a post-norm layer's next residual). `split_k` and `config` as few_rows_fwd's."""
-    if not norm_few_rows_applies(x, weight, norm):
-        raise ValueError(f"norm_few_rows_fwd takes 1..{FEW_ROWS_MAX} rows of fp16 or bf16 with the norm's residual, "
-                         f"weight and bias of x's dtype and device, got x {tuple(x.shape)} {x.dtype}: use the norm "
-                         f"op and few_rows_fwd")
-    N = check_linear_args(x, weight, bias, activation, None)
-    K = x.shape[-1]
-    lead = x.shape[:-1]
-    x2, res2 = norm_rows(x, norm)
     M = x2.shape[0]
-    check_normed(normed, x, "norm_few_rows_fwd")
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    summed = torch.empty((M, K) if res2 is not None else (0,), device=x.device, dtype=x.dtype)
-    norm_args, norm_flags = launch_args(norm._replace(residual=res2), x2, summed,
-                                        normed.view(M, K) if normed is not None else None)
-    if N > 0:
-        _launch(x2, weight, bias, activation, None, out, config, split_k, norm_args, norm_flags)
-    elif normed is not None or res2 is not None:
-        raise ValueError("norm_few_rows_fwd: a linear of no output columns stores no sum or normalised rows: "
-                         "use the norm op")
-    return out.view(*lead, N), summed.view(*lead, K) if res2 is not None else summed
-
-
-def _stat_k(K: int, x_side: int, block_k: int) -> int:
-    """K step of the statistics pass: 8,192 values a program (64 a thread at 4 warps), so that 2,048 wide
-    rows take 4 steps of independent L2 reads; the interpreter's K step under TRITON_INTERPRET (tiny
-    test shapes cross it)."""
-    if INTERPRET:
-        return block_k
-    return max(16, min(8192 // x_side, next_power_of_2(K)))
-
-
-def _launch(x2, weight, bias, activation, res2, out, config, split_k, norm_args, norm_flags) -> None:
-    M, K = x2.shape
-    N = out.shape[1]
-    if N == 0 or M == 0:
-        return
     x_side = 16 if M <= 16 else FEW_ROWS_MAX  # the dot's N: one compile for 1-16 rows, one for 17-32
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if N == 0:
+        return out.view(*lead, N)
+    res2 = residual.reshape(-1, N) if residual is not None else None
     gated = is_gated(activation)
     conf = FewRowsConfig(*config) if config is not None else default_config(gated)
     blocks = triton.cdiv(N, conf.block_n)
     split = max(1, min(conf.split_k if split_k is None else split_k, triton.cdiv(max(K, 1), conf.block_k)))
-    tickets = split_counters.counters(x2.device, blocks) if split > 1 else None
+    tickets = split_counters.counters(x.device, blocks) if split > 1 else None
     if tickets is None:
         split = 1
     epilogue = EpilogueOperands(out, bias, res2, activation, split)
@@ -426,21 +237,17 @@ def _launch(x2, weight, bias, activation, res2, out, config, split_k, norm_args,
         weight, weight.stride(0), weight.stride(1),
         *epilogue.args,
         *epilogue.part_args,
-        *norm_args,
         # unsplit: an int32 view of the partials' stand-in, never read; the pointer type, and with
         # it the compiled kernel, is the split launch's
         tickets if tickets is not None else epilogue.part_args[0].view(torch.int32),
         M, N, K, split,
         **epilogue.flags,
         EVEN_K=K % (conf.block_k * split) == 0,
-        DOT_PRECISION=_dot_precision(x2.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_M=x_side, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k,
-        **norm_flags,
-        # the norm's own constexprs only with a norm: a plain launch compiles one kernel for every K
-        **(dict(BF16_RNE_BY_HAND=INTERPRET and x2.dtype == torch.bfloat16, STAT_K=_stat_k(K, x_side, conf.block_k))
-           if norm_flags else {}),
         num_stages=conf.num_stages, num_warps=conf.num_warps, **pdl(x2),
     )
+    return out.view(*lead, N)
 
 
 def split_candidates(n: int, k: int, device: torch.device, gated: bool = False) -> list[int]:

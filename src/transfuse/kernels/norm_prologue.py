@@ -1,8 +1,8 @@
 """The norm a decode GEMV applies to its rows before multiplying (RMSNorm or LayerNorm, with the
 residual add before it), and what every kernel with this prologue shares (the GEMV kernels,
-kernels/gemv.py for (N, K) weights and kernels/gemv_kmajor.py for (K, N) ones, and the few-rows GEMM,
-kernels/gemm_few_rows.py): the check of the norm's operands, its rows as the kernels read them, the
-check of a `normed` output, and the launch arguments (the same pointers, strides and constexprs in
+kernels/gemv.py for (N, K) weights and kernels/gemv_kmajor.py for (K, N) ones, and the fused QKV +
+rotary + cache write, kernels/qkv_rotary_cache.py): the check of the norm's operands, its rows as
+the kernels read them, the check of a `normed` output, and the launch arguments (the same pointers, strides and constexprs in
 the same order), each written here once."""
 
 from __future__ import annotations
