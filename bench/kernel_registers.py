@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--decode-attention", action="store_true", help="the decode attention instead")
     parser.add_argument("--new-kv", action="store_true", help="with --decode-attention: the fused cache write")
     args = parser.parse_args()
+    if args.norm and not args.gemv:
+        parser.error("--norm is the GEMV's prologue: add --gemv (the few-rows GEMM has had none since 6be8733)")
     if args.gemv:
         kernel, const, warps, stages, tile = _gemv(args)
     elif args.decode_attention:
@@ -105,8 +107,6 @@ def _few_rows(args):
     if args.tile:
         block_n, block_k, stages = (int(v) for v in args.tile.split(","))
         conf = conf._replace(block_n=block_n, block_k=block_k, num_stages=stages)
-    if args.norm:
-        raise SystemExit("--norm is the GEMV's (--gemv): the few-rows GEMM has had no norm prologue since 6be8733")
     const = dict(ACTIVATION="silu_mul" if args.gated else "none", HAS_BIAS=False, HAS_RESIDUAL=False, EVEN_K=True,
                  DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=conf.block_n, BLOCK_K=conf.block_k, PDL=0)
     return (gemm_few_rows._few_rows_fwd_kernel, const, args.warps or conf.num_warps, conf.num_stages,

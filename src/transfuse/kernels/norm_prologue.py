@@ -2,8 +2,8 @@
 residual add before it), and what every kernel with this prologue shares (the GEMV kernels,
 kernels/gemv.py for (N, K) weights and kernels/gemv_kmajor.py for (K, N) ones, and the fused QKV +
 rotary + cache write, kernels/qkv_rotary_cache.py): the check of the norm's operands, its rows as
-the kernels read them, the check of a `normed` output, and the launch arguments (the same pointers, strides and constexprs in
-the same order), each written here once."""
+the kernels read them, the check of a `normed` output, and the launch arguments (the same pointers,
+strides and constexprs in the same order), each written here once."""
 
 from __future__ import annotations
 
