@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from transfuse import branchless as _branchless
+from transfuse import trace_cache as _trace_cache
 from transfuse import tracing_sdpa
 from transfuse.backend import Backend, StaleGraph, TransfuseError, check_device
 from transfuse.guards import ModuleWatch, module_guard_filter
@@ -66,6 +67,7 @@ class _State:
         self.lock = CallLock(self.device_index)
         self.device_tensor = lambda: None  # weakref to the model's first parameter or buffer, set by compile()
         self.trace_settings = None  # tracing_sdpa.inside_forward with this model's Dynamo settings, set by compile()
+        self.trace_cache = None  # trace_cache.TraceCache when optimize(trace_cache=True) or TRANSFUSE_TRACE_CACHE=1
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -107,6 +109,8 @@ class _State:
                                      "GPU's); it runs as it was")
                 log.warning("transfuse: %s", self.eager_reason)
         if self.compiled is not None:
+            if self.trace_cache is not None:
+                self.trace_cache.drop("the model changed (a module, a parameter's dtype or device) and was traced again")
             self.backend = Backend(**self.backend.options)
             self.backend.pool = self.backends[-1].pool  # one memory pool per model
             self.backends.append(self.backend)
@@ -196,6 +200,7 @@ def optimize(
     module_guards: bool = False,
     max_traces: int = 16,
     static_cache: bool = True,
+    trace_cache: bool | None = None,
     **options,
 ) -> torch.nn.Module:
     """Optimize `model` in place and return it: its forward is captured by TorchDynamo on the first
@@ -221,6 +226,9 @@ def optimize(
         sliding-window cache's position counter): it then runs as it was, and the report says why.
     static_cache: generate() without a cache named by the user uses a static KV cache, reused across
         calls, so that each decode step replays one CUDA graph (runtime/generation.py).
+    trace_cache: keep Dynamo's trace of the forward on disk, so that a later process with the same
+        model, inputs and versions loads it instead of tracing (trace_cache.py); None reads
+        TRANSFUSE_TRACE_CACHE (1 or 0, default 0).
     training_graphs (in **options): a training graph runs as AOTAutograd's forward and backward
         graphs, replayed as CUDA graphs (runtime/training_graphs.py). On by default on a GPU, off on
         the CPU (see backend._training_graphs). As under torch.compile(mode="reduce-overhead"), a
@@ -238,6 +246,10 @@ def optimize(
     if buckets not in (None, False):
         BucketPolicy(buckets)  # validates now, with a clear message
     _check_disable(disable)
+    try:
+        keep_traces = _trace_cache.requested(trace_cache)
+    except _trace_cache.TraceCacheError as exc:
+        raise TransfuseError(f"transfuse.optimize: {exc}") from None
     tracing_sdpa.enabled()  # a bad TRANSFUSE_TRACE_SDPA fails here, naming its values
     # Without dynamic shapes each new shape recompiles: raise Dynamo's limit so that a model seeing
     # many shapes never drops to eager silently.
@@ -253,6 +265,8 @@ def optimize(
     state.branchless = rewritten
     state.guard_filter = module_guard_filter(model)
     state.compile()
+    if keep_traces and not module_guards:
+        state.trace_cache = _trace_cache.TraceCache(model, state, extra=f"dynamic={dynamic}|sdpa={tracing_sdpa._mode()}")
     watch = None if module_guards else ModuleWatch(model)
 
     def forward(*args, **kwargs):
@@ -280,6 +294,10 @@ def optimize(
             if watch is not None:
                 watch.in_call = True  # registrations the forward itself makes are Dynamo's to see
             try:
+                if state.trace_cache is not None:
+                    out = state.trace_cache(args, kwargs)
+                    if out is not _trace_cache.TraceCache.MISS:
+                        return out
                 return state.compiled(*args, **kwargs)
             except StaleGraph:
                 # model.half() / model.to(): a fresh backend is a new Dynamo cache entry for the new dtype.
@@ -342,7 +360,7 @@ def optimize(
     setattr(model, _STATE, state)
     state.optimize_options = dict(cuda_graphs=cuda_graphs, dynamic=dynamic, buckets=buckets, max_graphs=max_graphs,
                                   disable=disable, module_guards=module_guards, max_traces=max_traces,
-                                  static_cache=static_cache, **options)
+                                  static_cache=static_cache, trace_cache=trace_cache, **options)
     model.__dict__["__deepcopy__"] = _DeepCopy(model)
     model.__dict__["__reduce_ex__"] = _refuse_pickling
     # generate() would compile the forward again for a static cache: transfuse is the compiler here.
@@ -558,6 +576,8 @@ def report(model: torch.nn.Module) -> str:
         text = format_report(records, state.backend.pool, _graph_breaks() - state.graph_breaks_at_start, runners)
     if state.eager_reason:
         text += f"\n  left to eager: {state.eager_reason}"
+    if state.trace_cache is not None:
+        text += f"\n  {state.trace_cache.describe()}"
     if branchless := state.branchless.describe():
         text += f"\n  {branchless}"
     if state.static_cache is not None:

@@ -243,6 +243,16 @@ def _on_compile_end(*_args) -> None:
     _restore_settings()
 
 
+def trace_starts() -> None:
+    """What Dynamo's compile start does (a trace that runs no compile callbacks: an AOT compile,
+    trace_cache.py); a second call before trace_ends() changes nothing."""
+    _on_compile_start()
+
+
+def trace_ends() -> None:
+    _on_compile_end()
+
+
 def _restore_settings() -> None:
     _give_back_all(getattr(_local, "settings_taken", None))
 

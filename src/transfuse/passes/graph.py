@@ -290,6 +290,9 @@ def static_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         if not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue
+        if node.meta.get("transfuse_static"):  # tagged by trace_cache.py, where Dynamo's grapharg is gone
+            out[node] = i
+            continue
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
         guard = getattr(source, "guard_source", None)

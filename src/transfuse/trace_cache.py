@@ -1,0 +1,508 @@
+"""Dynamo's trace of a forward kept on disk: a later process with the same model, inputs and versions
+loads the traced graph and its guards instead of tracing the model again.
+
+On a GPU host a warm first call of bert-base spends 3.0-4.8 of its 4.1-6.4 s in Dynamo's trace (H200,
+torch 2.11, bench/results/*-first-call-ab-session39.log); everything else it does is cached on disk
+already (Triton's binaries, transfuse's tuning choices). Dynamo's ahead-of-time compile
+(`torch.compile(fn, fullgraph=True).aot_compile(...)`, torch >= 2.10, experimental) traces a frame
+once and returns the transformed bytecode, the guards and the backend's result as one object that
+can be saved and loaded (torch/_dynamo/aot_compile.py). transfuse saves the graph as Dynamo traced
+it, before any pass (torch.fx's GraphPickler keeps its fake-tensor metadata and symbolic sizes); a
+load hands that graph to a fresh transfuse Backend at the first call, with that call's real tensors
+as the example inputs, exactly as Dynamo hands over a graph it has just traced.
+
+What decides whether a saved trace applies is a key over everything that shapes a trace and that the
+guards kept here do not check: the versions (Python, torch, transformers, transfuse's own source),
+the model (each module's type, plain attributes and tensors' shapes and dtypes, the code of its
+classes and of the modules that define them, its config), the call (each input's kind, dtype, rank
+and which dimensions are 1) and the modes (grad, inference, autocast, transfuse's SDPA choice). The
+guards that cannot be saved (on object identities: functions, closures, modules) are dropped, as
+well as the module-state guards optimize() drops anyway (guards.py); the key covers what they
+checked. Dynamo's remaining guards (input dtypes, ranks, static sizes, size relations) are checked
+at every call: a call they refuse goes through torch.compile as usual.
+
+Used for inference calls whose forward traces as one graph, with tensors (or None and plain
+constants) as inputs, of a model that nothing rewrote before the trace (branchless.py). A forward
+that cannot be traced whole, or whose guards cannot be saved, is remembered as such on disk (the next
+process does not try again) and runs through torch.compile; transfuse.report(model) says which.
+Opt-in while it is new: optimize(model, trace_cache=True) or TRANSFUSE_TRACE_CACHE=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from transfuse.runtime.tuning_cache import cache_dir
+
+log = logging.getLogger("transfuse")
+ENV = "TRANSFUSE_TRACE_CACHE"
+FORMAT = 1  # bumped when what is saved changes
+_PRIMITIVES = (bool, int, float, str, type(None))
+_loading = threading.local()  # the backend a trace being loaded hands its graph to
+
+
+class TraceCacheError(ValueError):
+    """A bad TRANSFUSE_TRACE_CACHE value."""
+
+
+def requested(option: bool | None) -> bool:
+    """optimize()'s trace_cache, else TRANSFUSE_TRACE_CACHE (0 or 1, default 0)."""
+    if option is not None:
+        return bool(option)
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise TraceCacheError(f"{ENV}={value!r}: use 1 (keep Dynamo's traces on disk) or 0")
+    return value == "1"
+
+
+def available() -> bool:
+    """Whether this torch has Dynamo's ahead-of-time compile and the graph pickler it needs."""
+    try:
+        import torch._dynamo.aot_compile  # noqa: F401
+        from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: F401
+        from torch.fx._graph_pickler import GraphPickler  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The key
+# ----------------------------------------------------------------------------------------------------
+
+_SOURCE_HASH: str | None = None
+
+
+def _transfuse_source_hash() -> str:
+    """transfuse's own sources: a changed pass or stand-in op may change what a trace records."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        root = Path(__file__).parent
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+        _SOURCE_HASH = digest.hexdigest()
+    return _SOURCE_HASH
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """A code object's bytecode, names and constants (nested code objects alike). Not marshal's
+    bytes: marshal marks objects by their reference counts, which differ between two calls."""
+    consts = b",".join(_code_bytes(c) if isinstance(c, types.CodeType) else repr(c).encode() for c in code.co_consts)
+    return b"|".join([code.co_code, consts, repr((code.co_names, code.co_varnames, code.co_freevars,
+                                                    code.co_cellvars, code.co_argcount, code.co_kwonlyargcount,
+                                                    code.co_flags)).encode()])
+
+
+def _code_digest(digest, obj, seen: set) -> None:
+    """The code of every function of a class or module namespace, names in order."""
+    namespace = vars(obj)
+    home = obj.__name__ if isinstance(obj, types.ModuleType) else None
+    for name in sorted(namespace):
+        value = namespace[name]
+        if home is not None and (name.startswith("__") or getattr(value, "__module__", None) != home):
+            continue  # a module's own functions; not its imports, nor the globals Dynamo installs there
+        func = getattr(value, "__func__", value)  # staticmethod / classmethod
+        func = getattr(func, "fget", func)  # property
+        while hasattr(func, "__wrapped__") and id(func) not in seen:  # decorators: the wrapped code too
+            seen.add(id(func))
+            if isinstance(func, types.FunctionType):
+                digest.update(_code_bytes(func.__code__))
+            func = func.__wrapped__
+        if isinstance(func, types.FunctionType) and id(func) not in seen:
+            seen.add(id(func))
+            digest.update(name.encode())
+            digest.update(_code_bytes(func.__code__))
+
+
+def _value_key(value) -> str:
+    """A plain attribute's value in the key, or '' for what is not a plain value."""
+    if isinstance(value, _PRIMITIVES):
+        return repr(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PRIMITIVES) for v in value):
+        return repr(tuple(value))
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return ""
+
+
+def _model_key(model: torch.nn.Module, digest) -> None:
+    classes, modules_seen, seen = [], set(), set()
+    for name, module in model.named_modules():
+        cls = type(module)
+        digest.update(f"|{name}:{cls.__module__}.{cls.__qualname__}".encode())
+        for attr in sorted(module.__dict__):
+            if attr.startswith("_") and attr not in ("_is_hf_initialized",):
+                continue
+            text = _value_key(module.__dict__[attr])
+            if text:
+                digest.update(f"{attr}={text};".encode())
+        for pname, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            if tensor is not None:
+                digest.update(f"{pname}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type}:"
+                              f"{tensor.requires_grad};".encode())
+        if cls not in classes:
+            classes.append(cls)
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass in (torch.nn.Module, object) or id(klass) in seen:
+                continue
+            seen.add(id(klass))
+            _code_digest(digest, klass, seen)
+            module = sys.modules.get(klass.__module__)
+            if module is not None and module.__name__ not in modules_seen and not module.__name__.startswith("torch."):
+                modules_seen.add(module.__name__)
+                _code_digest(digest, module, seen)  # the module-level helpers a forward calls
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+
+
+def _input_key(value) -> str | None:
+    if isinstance(value, torch.Tensor):
+        ones = "".join("1" if s == 1 else ("0" if s == 0 else "n") for s in value.shape)
+        return (f"T{value.dtype}:{value.device.type}:{ones}:{value.requires_grad}:{value.is_inference()}:"
+                f"{value.is_contiguous()}")
+    if isinstance(value, _PRIMITIVES):
+        return f"P{value!r}"
+    return None
+
+
+def key(model: torch.nn.Module, args: tuple, kwargs: dict, extra: str) -> tuple[str | None, str]:
+    """(the key, '') for a call a saved trace may serve, or (None, why not)."""
+    parts = []
+    for i, value in enumerate(args):
+        text = _input_key(value)
+        if text is None:
+            return None, f"positional input {i} is a {type(value).__name__}, not a tensor"
+        parts.append(text)
+    for name in sorted(kwargs):
+        text = _input_key(kwargs[name])
+        if text is None:
+            return None, f"input {name!r} is a {type(kwargs[name]).__name__}, not a tensor"
+        parts.append(f"{name}={text}")
+    digest = hashlib.sha256()
+    autocast = [torch.is_autocast_enabled(d) for d in ("cuda", "cpu")] if hasattr(torch, "is_autocast_enabled") else []
+    try:
+        import transformers
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = "-"
+    digest.update("|".join([str(FORMAT), sys.version, torch.__version__, hf_version, _transfuse_source_hash(),
+                            str(torch.is_grad_enabled()), str(torch.is_inference_mode_enabled()), str(autocast),
+                            str(torch.get_default_dtype()), extra, *parts]).encode())
+    _model_key(model, digest)
+    return digest.hexdigest()[:32], ""
+
+
+# ----------------------------------------------------------------------------------------------------
+# What is saved: the graph as Dynamo traced it
+# ----------------------------------------------------------------------------------------------------
+
+_INSTANCE_ATTRIBUTES = ("forward", "__deepcopy__", "__reduce_ex__")  # what optimize() sets on the model
+_KEPT_META = ("example_value", "val", "tensor_dict", "transfuse_static")
+
+
+def _savable_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the traced graph for the pickler: Dynamo's own attributes (its shape env, which the
+    pickler cannot write) left behind, metadata the passes read kept. A fake value that is a view
+    is saved as a tensor of its own sizes and strides: the pickler writes the view's base with its
+    fake mode (torch 2.11-2.13), which it cannot pickle; the passes read sizes, never bases."""
+    graph = fx.Graph()
+    env: dict = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        new.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}
+        value = new.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None and value._is_view():
+            with value.fake_mode:
+                new.meta["example_value"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                                                device=value.device)
+        env[node] = new
+    return fx.GraphModule(gm, graph)
+
+
+def _serializable_base():
+    from torch._dynamo.aot_compile_types import SerializableCallable
+    return SerializableCallable
+
+
+class SavedGraph(_serializable_base()):
+    """The backend's result as Dynamo's AOT compile keeps it: the graph as traced, and transfuse's
+    compile of it (made at once while tracing, at the first call after a load)."""
+
+    def __init__(self, graph: fx.GraphModule, backend, compiled=None):
+        self.graph = graph
+        self.backend = backend
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            self.compiled = self.backend(self.graph, list(args))
+            self.graph = None  # the backend's passes rewrote it: nothing to save from here
+        return self.compiled(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "SavedGraph") -> bytes:
+        from torch.fx._graph_pickler import GraphPickler, Options
+        return GraphPickler.dumps(fn.graph, Options(ops_filter=None))
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "SavedGraph":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+        gm.recompile()
+        return cls(gm, _loading.backend)
+
+
+def _tag_static(gm: fx.GraphModule, example_inputs, model: torch.nn.Module) -> None:
+    """Marks the placeholders that hold the model's parameters and buffers (passes/graph.py's
+    static_inputs reads Dynamo's grapharg for that, which the AOT compile drops before the backend)."""
+    owned = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and id(value) in owned:
+            node.meta["transfuse_static"] = True
+
+
+def _serializable_guard(entry) -> bool:
+    from torch._dynamo.guards import CheckFunctionManager
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return not (entry.is_global or entry.guard_type in unsupported
+                or any(t in unsupported for t in (entry.derived_guard_types or ()))
+                or "__closure__" in entry.name or entry.name.startswith("func"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# One model's cached trace
+# ----------------------------------------------------------------------------------------------------
+
+class TraceCache:
+    """Tried at the first call of an optimized model (capture.py); serves the calls its guards
+    accept, and leaves the others to torch.compile."""
+
+    MISS = object()
+
+    def __init__(self, model: torch.nn.Module, state, extra: str = ""):
+        self.model = model
+        self.state = state
+        self.extra = extra  # optimize()'s options that shape a trace
+        self.fn = None  # Dynamo's AOTCompiledFunction
+        self.tried = False
+        self.status = "not tried yet"  # for the report
+        self.calls = 0
+        self.misses = 0
+
+    def drop(self, why: str) -> None:
+        """A re-compile (a changed module, a moved parameter): the saved trace's backend is gone."""
+        if self.fn is not None:
+            self.fn = None
+            self.status += f"; dropped: {why}"
+
+    def describe(self) -> str:
+        text = f"trace cache: {self.status}"
+        if self.calls or self.misses:
+            text += f"; {self.calls} call(s) served, {self.misses} refused by its guards (traced as usual)"
+        return text
+
+    def __call__(self, args: tuple, kwargs: dict):
+        if self.fn is None:
+            if self.tried:
+                return self.MISS
+            self.tried = True
+            self._first(args, kwargs)
+            if self.fn is None:
+                return self.MISS
+        model = self.model
+        if not self.fn.guard_check(model, *args, **kwargs):
+            if os.environ.get("TRANSFUSE_TRACE_CACHE_DEBUG"):
+                f_locals = self.fn.prepare_f_locals(model, *args, **kwargs)
+                print("GUARD FAIL", self.fn._artifacts.guard_manager.check_verbose(f_locals))
+            self.misses += 1
+            return self.MISS
+        self.calls += 1
+        return self.fn.fn(model, *args, **kwargs)
+
+    def _first(self, args, kwargs) -> None:
+        model = self.model
+        if not available():
+            self.status = f"not used: torch {torch.__version__} has no ahead-of-time Dynamo compile"
+            return
+        if model.training or (torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())):
+            self.status = "not used: a training call (gradients on); only inference traces are kept"
+            return
+        if self.state.branchless is not None and self.state.branchless.modules:
+            self.status = "not used: transfuse rewrote a forward of the model before the trace (branchless.py)"
+            return
+        digest, why = key(model, args, kwargs, self.extra)
+        if digest is None:
+            self.status = f"not used: {why}"
+            return
+        path = cache_dir() / "traces" / f"{digest}.trace"
+        refused = path.with_suffix(".refused")
+        start = time.perf_counter()
+        if path.exists():
+            try:
+                self.fn = self._load(path, args, kwargs)
+                self.status = f"loaded {path.name} in {time.perf_counter() - start:.2f} s"
+            except Exception as exc:  # a file from an interrupted writer, a torch that reads it otherwise
+                self.status = f"not used: the saved trace did not load ({_first_line(exc)}); traced as usual"
+            return
+        if refused.exists():
+            self.status = f"not used: {refused.read_text().strip()} (remembered in {refused.name})"
+            return
+        try:
+            fn = self._trace(args, kwargs)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise
+        except Exception as exc:
+            reason = f"the forward did not trace as one savable graph ({_first_line(exc)})"
+            self.status = f"not used: {reason}"
+            _write(refused, reason.encode())
+            return
+        self.fn = fn
+        took = time.perf_counter() - start
+        try:
+            self._save(fn, path)
+            self.status = f"traced in {took:.2f} s and saved as {path.name}"
+        except Exception as exc:
+            self.status = f"traced in {took:.2f} s; not saved ({_first_line(exc)})"
+            _write(refused, f"its trace could not be saved ({_first_line(exc)})".encode())
+        log.info("transfuse: trace cache: %s", self.status)
+
+    def _trace(self, args, kwargs):
+        from transfuse import tracing_sdpa
+
+        state, model = self.state, self.model
+        module_filter = state.guard_filter
+
+        def guard_filter(entries):
+            keep = module_filter(entries) if module_filter is not None else [True] * len(entries)
+            return [k and _serializable_guard(e) for k, e in zip(keep, entries)]
+
+        def backend(gm, example_inputs):
+            _tag_static(gm, example_inputs, model)
+            saved = _savable_copy(gm)
+            return SavedGraph(saved, state.backend, state.backend(gm, example_inputs))
+
+        dynamic = None if state.backend.options.get("dynamic", True) else False
+        compiled = torch.compile(state.traced_forward, fullgraph=True, backend=backend, dynamic=dynamic,
+                                 options={"guard_filter_fn": guard_filter})
+        # The saved guards pickle the model object (its __dict__, tensors left out): optimize()'s
+        # per-instance attributes (the forward wrapper, the refusal to pickle) stay out of it.
+        ours = {name: model.__dict__.pop(name) for name in _INSTANCE_ATTRIBUTES if name in model.__dict__}
+        tracing_sdpa.trace_starts()  # Dynamo's compile callbacks do not run for an AOT compile
+        try:
+            return compiled.aot_compile((args, kwargs))
+        finally:
+            tracing_sdpa.trace_ends()
+            model.__dict__.update(ours)
+
+    def _globals(self, refs: dict) -> dict:
+        func = getattr(self.state.traced_forward, "__func__", self.state.traced_forward)
+        f_globals = dict(func.__globals__)
+        for name, module in refs.items():  # Dynamo's aliases of modules, named by object ids of the saving process
+            f_globals[name] = importlib.import_module(module)
+        return f_globals
+
+    def _closure(self) -> dict:
+        func = getattr(self.state.traced_forward, "__func__", self.state.traced_forward)
+        return {f"cell{i}": cell.cell_contents for i, cell in enumerate(func.__closure__ or ())}
+
+    def _save(self, fn, path: Path) -> None:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        env = fn._artifacts.runtime_env
+        globals_now = fn.fn.__globals__
+        refs = {name: globals_now[name].__name__ for name in getattr(env, "external_refs", ())
+                if isinstance(globals_now.get(name), types.ModuleType)}
+        data = AOTCompiledFunction.serialize(fn, self._closure()).serialized_data
+        header = json.dumps({"refs": refs}).encode()
+        _write(path, len(header).to_bytes(4, "little") + header + data)
+
+    def _load(self, path: Path, args: tuple, kwargs: dict):
+        """AOTCompiledFunction.deserialize (torch 2.11-2.13), but for the guards: they are built with
+        the model itself as the frame's `self`. The saved guards hold the model with only what the
+        kept guards read (optimize() drops the module guards), while the size guards reach
+        parameters and buffers through the modules: built on that copy they fail."""
+        import dataclasses
+        import io
+
+        from torch._dynamo.aot_compile import AOTCompiledFunction, AOTCompileUnpickler, CompileArtifacts
+        from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
+
+        blob = path.read_bytes()
+        size = int.from_bytes(blob[:4], "little")
+        refs = json.loads(blob[4:4 + size])["refs"]
+        f_globals = self._globals(refs)
+        state = AOTCompileUnpickler(self._closure(), io.BytesIO(blob[4 + size:])).load()
+        state["runtime_env"] = dataclasses.replace(
+            state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
+        deserializer, compiled_state = state["compiled_fn"]
+        _loading.backend = self.state.backend
+        try:
+            state["compiled_fn"] = deserializer(compiled_state)
+        finally:
+            _loading.backend = None
+        state["original_code"] = SerializedCode.to_code_object(state["original_code"])
+        guards = load_guards_state(state["guards_state"])
+        scope = dict(guards.output_graph.local_scope)
+        scope["self"] = self.model
+        # Dynamo's marks of dynamic dimensions are tensor attributes, which the saved guards' copies
+        # of the inputs lost: a guard checks that a tensor marked now was marked when traced.
+        call_locals = state["signature"].bind(self.model, *args, **kwargs).arguments
+        for name, value in call_locals.items():
+            if name in scope:
+                _copy_marks(value, scope[name])
+        guards = dataclasses.replace(guards, output_graph=dataclasses.replace(guards.output_graph, local_scope=scope))
+        runtime = state["runtime_env"].forward_callable(state["backend_id"], state["compiled_fn"], extra_globals=f_globals)
+        state["guard_manager"] = load_guard_manager(guards, state["original_code"], runtime.__globals__)
+        return AOTCompiledFunction(CompileArtifacts(**state), _extra_globals=f_globals)
+
+
+def _copy_marks(value, saved) -> None:
+    """Dynamo's dimension marks from the tensors of `value` onto those at the same place in `saved`."""
+    if isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor):
+        for attr, mark in vars(value).items():
+            if attr.startswith("_dynamo_"):
+                setattr(saved, attr, mark)
+    elif isinstance(value, dict) and isinstance(saved, dict):
+        for k in value.keys() & saved.keys():
+            _copy_marks(value[k], saved[k])
+    elif isinstance(value, (tuple, list)) and isinstance(saved, (tuple, list)) and len(value) == len(saved):
+        for v, sv in zip(value, saved):
+            _copy_marks(v, sv)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Atomic replace; a read-only cache directory costs a trace in the next process, nothing else."""
+    import tempfile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass

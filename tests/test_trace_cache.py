@@ -1,0 +1,170 @@
+"""Dynamo's trace kept on disk (trace_cache.py): a second model, or a second process, with the same
+model and inputs loads the trace instead of tracing, and gives eager's outputs for its own weights."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import transfuse
+from tests.helpers import graph_records, rel_err, tiny_bert_twins
+from transfuse import trace_cache
+from transfuse.backend import TransfuseError
+
+pytestmark = pytest.mark.skipif(not trace_cache.available(), reason="this torch has no ahead-of-time Dynamo compile")
+
+
+def _status(model) -> str:
+    return model._transfuse_state.trace_cache.describe()
+
+
+def _run(model, eager, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state, \
+            eager(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _mask(batch, seq, cut):
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, cut:] = 0  # padding in the last row: the key mask is part of what is traced
+    return mask
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSFUSE_CACHE_DIR", str(tmp_path))
+    return tmp_path / "traces"
+
+
+def test_a_second_model_loads_the_trace_and_reads_its_own_weights(cache):
+    first, eager, ids = tiny_bert_twins()
+    transfuse.optimize(first, trace_cache=True)
+    out, ref = _run(first, eager, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5
+    assert "traced in" in _status(first) and "saved as" in _status(first), _status(first)
+    assert len(list(cache.glob("*.trace"))) == 1
+
+    second, eager2, _ = tiny_bert_twins()  # the same architecture, other random weights
+    assert not torch.equal(second.embeddings.word_embeddings.weight, first.embeddings.word_embeddings.weight)
+    transfuse.optimize(second, trace_cache=True)
+    out, ref = _run(second, eager2, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5
+    assert "loaded" in _status(second), _status(second)
+    # another batch and length: the same trace (dynamic sizes), a bucket of its own
+    ids3 = torch.randint(3, 97, (3, 11))
+    out, ref = _run(second, eager2, ids3, _mask(3, 11, 6))
+    assert rel_err(out, ref) < 1e-5
+    assert "2 call(s) served, 0 refused" in _status(second), _status(second)
+    records = graph_records(second)
+    # the passes made the same rewrites on the loaded graph as on the traced one
+    assert len(records) == 1 and records[0].rewrites == graph_records(first)[0].rewrites, records
+    assert records[0].rewrites.get("TorchSDPA") == first.config.num_hidden_layers
+
+
+def test_a_fresh_process_loads_the_trace(cache, tmp_path):
+    first, eager, ids = tiny_bert_twins()
+    transfuse.optimize(first, trace_cache=True)
+    _run(first, eager, ids, _mask(2, 7, 4))
+    script = textwrap.dedent("""
+        import torch, transfuse
+        from tests.helpers import rel_err, tiny_bert_twins
+        model, eager, ids = tiny_bert_twins()
+        transfuse.optimize(model, trace_cache=True)
+        mask = torch.ones(2, 7, dtype=torch.long); mask[-1, 4:] = 0
+        with torch.no_grad():
+            err = rel_err(model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                          eager(input_ids=ids, attention_mask=mask).last_hidden_state)
+        print("ERR", err)
+        print("STATUS", model._transfuse_state.trace_cache.describe())
+    """)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'src'}", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("ERR", "STATUS")))
+    assert float(lines["ERR"]) < 1e-5
+    assert "loaded" in lines["STATUS"] and "1 call(s) served" in lines["STATUS"], lines["STATUS"]
+
+
+def test_a_changed_config_is_traced_anew(cache):
+    first, eager, ids = tiny_bert_twins()
+    transfuse.optimize(first, trace_cache=True)
+    _run(first, eager, ids, _mask(2, 7, 4))
+    other, eager2, _ = tiny_bert_twins()
+    for model in (other, eager2):  # an epsilon the trace baked in as a constant
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.eps = 0.25
+    transfuse.optimize(other, trace_cache=True)
+    out, ref = _run(other, eager2, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5
+    assert "traced in" in _status(other), _status(other)
+    assert len(list(cache.glob("*.trace"))) == 2
+
+
+def test_a_call_the_guards_refuse_is_traced_as_usual(cache):
+    first, eager, ids = tiny_bert_twins()
+    transfuse.optimize(first, trace_cache=True)
+    _run(first, eager, ids, _mask(2, 7, 4))
+    second, eager2, _ = tiny_bert_twins()
+    transfuse.optimize(second, trace_cache=True)
+    _run(second, eager2, ids, _mask(2, 7, 4))
+    float_mask = _mask(2, 7, 4).float()  # another dtype than the trace's: its guards say no
+    out, ref = _run(second, eager2, ids, float_mask)
+    assert rel_err(out, ref) < 1e-5
+    assert "1 call(s) served, 1 refused" in _status(second), _status(second)
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow: a graph break
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_forward_with_a_graph_break_is_remembered_and_runs_as_usual(cache):
+    torch.manual_seed(0)
+    for attempt in range(2):
+        model = _Breaks().eval()
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            ref = model(x)
+            transfuse.optimize(model, trace_cache=True)
+            out = model(x)
+        assert rel_err(out, ref) < 1e-5
+        status = _status(model)
+        assert "not used: the forward did not trace as one savable graph" in status, status
+        assert ("remembered" in status) == (attempt == 1), status
+    assert list(cache.glob("*.refused")) and not list(cache.glob("*.trace"))
+
+
+def test_inputs_that_are_not_tensors_are_left_to_torch_compile(cache):
+    model, eager, ids = tiny_bert_twins()
+    transfuse.optimize(model, trace_cache=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=_mask(2, 7, 4), output_hidden_states=[True])
+        ref = eager(input_ids=ids, attention_mask=_mask(2, 7, 4), output_hidden_states=[True])
+    assert rel_err(out.last_hidden_state, ref.last_hidden_state) < 1e-5
+    assert "not used: input 'output_hidden_states' is a list" in _status(model), _status(model)
+
+
+def test_off_by_default_and_a_bad_setting_is_one_line(monkeypatch):
+    model, _, _ = tiny_bert_twins()
+    transfuse.optimize(model)
+    assert model._transfuse_state.trace_cache is None
+    monkeypatch.setenv(trace_cache.ENV, "yes")
+    other, _, _ = tiny_bert_twins()
+    with pytest.raises(TransfuseError, match="TRANSFUSE_TRACE_CACHE='yes': use 1") as info:
+        transfuse.optimize(other)
+    assert "\n" not in str(info.value)
