@@ -8,8 +8,9 @@ import transfuse
 
 
 def _falcon(**config):
+    """One layer: the cache's heads and the probe are the attention's, the same in every layer."""
     return transformers.FalconForCausalLM(transformers.FalconConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+        vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)).eval()
 
 
@@ -18,7 +19,7 @@ def _generate_both(model):
     ids = torch.randint(3, 97, (2, 7))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)  # prompt + 2 steps
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
         transfuse.optimize(model)
