@@ -12,11 +12,11 @@ import transfuse
 from transfuse.runtime.generate_masks import masks_for_generate, needs_own_masks
 
 
-def _llama4():
+def _llama4(chunk=8):
     cfg = transformers.Llama4TextConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         intermediate_size=48, intermediate_size_mlp=48, vocab_size=97, num_local_experts=2, num_experts_per_tok=1,
-        attention_chunk_size=8, no_rope_layers=[1, 0], use_qk_norm=True, interleave_moe_layer_step=2,
+        attention_chunk_size=chunk, no_rope_layers=[1, 0], use_qk_norm=True, interleave_moe_layer_step=2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     return transformers.Llama4ForCausalLM(cfg).eval()
@@ -26,13 +26,15 @@ def test_chunked_attention_generates_on_a_static_cache_in_few_traces():
     """Chunked layers once kept Hugging Face's dynamic cache (its static one raised a TypeError)
     and traced every decode step until the model was handed back to eager; now generate() equals
     eager's with one trace for the prompt and one for the steps, across calls and chunk borders."""
-    model = _llama4()
+    # chunks of 4: a 7-token prompt spans two chunks, the steps cross the borders at 8 and 12 (the
+    # decode inputs sit at positions 7-8, then 7-12) in 8 decode steps (chunks of 8 took 18 steps)
+    model = _llama4(chunk=4)
     opt = transfuse.optimize(copy.deepcopy(model))
-    ids = torch.randint(3, 97, (2, 13))
+    ids = torch.randint(3, 97, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with torch.no_grad():
-        for new in (6, 14):  # past two chunk borders (positions 16 and 24)
+        for new in (3, 7):  # past one, then two chunk borders (positions 8 and 12)
             want = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
             got = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
             assert torch.equal(got, want), new
