@@ -51,7 +51,7 @@ def test_fixed_step_inputs_are_hugging_faces(family):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
     mask[2, :1] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None)  # two decode steps
     ref_seen, seen = [], []
     with torch.no_grad():
         _record_decode_inputs(model, ref_seen)
@@ -64,7 +64,7 @@ def test_fixed_step_inputs_are_hugging_faces(family):
     assert torch.equal(out, ref) and torch.equal(again, ref)
     (entry,) = model._transfuse_state.decode_loop.entries.values()
     assert entry.step_inputs.reason is None and entry.step_inputs.mask is not None
-    assert len(seen) == 2 * len(ref_seen) == 2 * 3
+    assert len(seen) == 2 * len(ref_seen) == 2 * 2
     for (ids_, pos, m), (ref_ids, ref_pos, ref_m) in zip(seen, ref_seen + ref_seen):
         n = ref_m.shape[-1]
         assert torch.equal(ids_, ref_ids) and torch.equal(pos, ref_pos)
