@@ -30,6 +30,8 @@ Opt-in while it is new: optimize(model, trace_cache=True) or TRANSFUSE_TRACE_CAC
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import hashlib
 import importlib
 import json
@@ -258,7 +260,8 @@ class SavedGraph(_serializable_base()):
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SavedGraph") -> bytes:
         from torch.fx._graph_pickler import GraphPickler, Options
-        return GraphPickler.dumps(fn.graph, Options(ops_filter=None))
+        with _slices_as_pytree():
+            return GraphPickler.dumps(fn.graph, Options(ops_filter=None))
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedGraph":
@@ -266,9 +269,27 @@ class SavedGraph(_serializable_base()):
         from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+        with _slices_as_pytree():
+            gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
         gm.recompile()
         return cls(gm, _loading.backend)
+
+
+@contextlib.contextmanager
+def _slices_as_pytree():
+    """Node arguments that are slices (`x[:, :n]` with a symbolic n) hold nodes: torch 2.11's graph
+    pickler maps nodes with pytree, which does not enter a slice, and refuses the raw node it then
+    meets (2.13 registers slices itself while it pickles). Registered here the same way, for the
+    pickling alone."""
+    import torch.utils._pytree as pytree
+    if slice in pytree.SUPPORTED_NODES:
+        yield
+        return
+    pytree._private_register_pytree_node(slice, lambda x: ([x.start, x.stop, x.step], None), lambda x, _: slice(*x))
+    try:
+        yield
+    finally:
+        pytree._deregister_pytree_node(slice)
 
 
 def _tag_static(gm: fx.GraphModule, example_inputs, model: torch.nn.Module) -> None:
@@ -333,7 +354,8 @@ class TraceCache:
         if not self.fn.guard_check(model, *args, **kwargs):
             if os.environ.get("TRANSFUSE_TRACE_CACHE_DEBUG"):
                 f_locals = self.fn.prepare_f_locals(model, *args, **kwargs)
-                print("GUARD FAIL", self.fn._artifacts.guard_manager.check_verbose(f_locals))
+                failed = self.fn._artifacts.guard_manager.check_verbose(f_locals)
+                print("GUARD FAIL", " / ".join(failed.verbose_code_parts)[:500], flush=True)
             self.misses += 1
             return self.MISS
         self.calls += 1
@@ -402,8 +424,10 @@ class TraceCache:
             return SavedGraph(saved, state.backend, state.backend(gm, example_inputs))
 
         dynamic = None if state.backend.options.get("dynamic", True) else False
-        compiled = torch.compile(state.traced_forward, fullgraph=True, backend=backend, dynamic=dynamic,
-                                 options={"guard_filter_fn": guard_filter})
+        # torch 2.11 attaches .aot_compile only with this set (2.13's default)
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = torch.compile(_with_builtins(state.traced_forward), fullgraph=True, backend=backend,
+                                     dynamic=dynamic, options={"guard_filter_fn": guard_filter})
         # The saved guards pickle the model object (its __dict__, tensors left out): optimize()'s
         # per-instance attributes (the forward wrapper, the refusal to pickle) stay out of it.
         ours = {name: model.__dict__.pop(name) for name in _INSTANCE_ATTRIBUTES if name in model.__dict__}
@@ -416,7 +440,7 @@ class TraceCache:
 
     def _globals(self, refs: dict) -> dict:
         func = getattr(self.state.traced_forward, "__func__", self.state.traced_forward)
-        f_globals = dict(func.__globals__)
+        f_globals = {**vars(builtins), **func.__globals__}
         for name, module in refs.items():  # Dynamo's aliases of modules, named by object ids of the saving process
             f_globals[name] = importlib.import_module(module)
         return f_globals
@@ -474,6 +498,20 @@ class TraceCache:
         runtime = state["runtime_env"].forward_callable(state["backend_id"], state["compiled_fn"], extra_globals=f_globals)
         state["guard_manager"] = load_guard_manager(guards, state["original_code"], runtime.__globals__)
         return AOTCompiledFunction(CompileArtifacts(**state), _extra_globals=f_globals)
+
+
+def _with_builtins(forward):
+    """The forward on a copy of its globals that also names the builtins: torch 2.11's AOT compile
+    requires every global its bytecode loads, `type` too, to be in the function's globals (2.13
+    looks in the builtins as well). A copy: the module's own globals stay as they are."""
+    func = getattr(forward, "__func__", forward)
+    twin = types.FunctionType(func.__code__, {**vars(builtins), **func.__globals__}, func.__name__,
+                              func.__defaults__, func.__closure__)
+    twin.__kwdefaults__ = func.__kwdefaults__
+    twin.__dict__.update(func.__dict__)
+    twin.__qualname__, twin.__module__ = func.__qualname__, func.__module__
+    owner = getattr(forward, "__self__", None)
+    return types.MethodType(twin, owner) if owner is not None and forward is not func else twin
 
 
 def _copy_marks(value, saved) -> None:
