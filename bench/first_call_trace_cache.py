@@ -63,8 +63,6 @@ def main() -> None:
             proc = subprocess.run([sys.executable, __file__, "--child", mode, "--config", args.config], env=env,
                                   capture_output=True, text=True, timeout=600)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-            for reason in sorted({x for x in proc.stdout.splitlines() if x.startswith("GUARD FAIL")})[:3]:
-                print(mode, reason, flush=True)  # under TRANSFUSE_TRACE_CACHE_DEBUG=1
             if not lines:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 continue

@@ -59,9 +59,15 @@ def test_a_second_model_loads_the_trace_and_reads_its_own_weights(cache):
     out, ref = _run(second, eager2, ids3, _mask(3, 11, 6))
     assert rel_err(out, ref) < 1e-5
     assert "2 call(s) served, 0 refused" in _status(second), _status(second)
+    float_mask = _mask(2, 7, 4).float()  # another dtype than the trace's: its guards refuse the call
+    out, ref = _run(second, eager2, ids, float_mask)
+    assert rel_err(out, ref) < 1e-5  # traced as usual, through torch.compile
+    assert "2 call(s) served, 1 refused" in _status(second), _status(second)
+    assert "the first refusal: tensor 'L['kwargs']['attention_mask']' dtype mismatch" in _status(second), _status(second)
     records = graph_records(second)
-    # the passes made the same rewrites on the loaded graph as on the traced one
-    assert len(records) == 1 and records[0].rewrites == graph_records(first)[0].rewrites, records
+    # the passes made the same rewrites on the loaded graph as on the traced one (then the refused
+    # call's own trace)
+    assert len(records) == 2 and records[0].rewrites == graph_records(first)[0].rewrites, records
     assert records[0].rewrites.get("TorchSDPA") == first.config.num_hidden_layers
 
 
@@ -105,19 +111,6 @@ def test_a_changed_config_is_traced_anew(cache):
     assert rel_err(out, ref) < 1e-5
     assert "traced in" in _status(other), _status(other)
     assert len(list(cache.glob("*.trace"))) == 2
-
-
-def test_a_call_the_guards_refuse_is_traced_as_usual(cache):
-    first, eager, ids = tiny_bert_twins()
-    transfuse.optimize(first, trace_cache=True)
-    _run(first, eager, ids, _mask(2, 7, 4))
-    second, eager2, _ = tiny_bert_twins()
-    transfuse.optimize(second, trace_cache=True)
-    _run(second, eager2, ids, _mask(2, 7, 4))
-    float_mask = _mask(2, 7, 4).float()  # another dtype than the trace's: its guards say no
-    out, ref = _run(second, eager2, ids, float_mask)
-    assert rel_err(out, ref) < 1e-5
-    assert "1 call(s) served, 1 refused" in _status(second), _status(second)
 
 
 class _Breaks(torch.nn.Module):

@@ -329,6 +329,10 @@ class TraceCache:
         self.status = "not tried yet"  # for the report
         self.calls = 0
         self.misses = 0
+        self.refusal = ""  # the guard that refused the first call refused
+        self._guards = None  # the guard manager of fn
+        self._free: dict = {}  # the traced function's closure variables, by name (locals the guards may read)
+        self._varargs = None  # (self, args, kwargs) names when the forward is `f(self, *args, **kwargs)`
 
     def drop(self, why: str) -> None:
         """A re-compile (a changed module, a moved parameter): the saved trace's backend is gone."""
@@ -340,6 +344,8 @@ class TraceCache:
         text = f"trace cache: {self.status}"
         if self.calls or self.misses:
             text += f"; {self.calls} call(s) served, {self.misses} refused by its guards (traced as usual)"
+        if self.refusal:
+            text += f"; the first refusal: {self.refusal}"
         return text
 
     def __call__(self, args: tuple, kwargs: dict):
@@ -351,15 +357,36 @@ class TraceCache:
             if self.fn is None:
                 return self.MISS
         model = self.model
-        if not self.fn.guard_check(model, *args, **kwargs):
-            if os.environ.get("TRANSFUSE_TRACE_CACHE_DEBUG"):
-                f_locals = self.fn.prepare_f_locals(model, *args, **kwargs)
-                failed = self.fn._artifacts.guard_manager.check_verbose(f_locals)
-                print("GUARD FAIL", " / ".join(failed.verbose_code_parts)[:500], flush=True)
+        if not self._guards.check(self._locals(model, args, kwargs)):
+            if not self.misses:  # the first refusal's reason, for the report (check_verbose is slow)
+                failed = self._guards.check_verbose(self._locals(model, args, kwargs))
+                self.refusal = " / ".join(failed.verbose_code_parts)[:300]
             self.misses += 1
             return self.MISS
         self.calls += 1
         return self.fn.fn(model, *args, **kwargs)
+
+    def _locals(self, model, args, kwargs) -> dict:
+        """The frame's locals the guards read: AOTCompiledFunction.prepare_f_locals without its
+        inspect.Signature.bind (14 us a call on the development CPU) for Hugging Face's
+        `wrapper(self, *args, **kwargs)` forwards."""
+        if self._varargs is None:
+            return self.fn.prepare_f_locals(model, *args, **kwargs)
+        names = self._varargs
+        return {**self._free, names[0]: model, names[1]: args, names[2]: kwargs}
+
+    def _ready(self, fn) -> None:
+        import inspect
+
+        self.fn = fn
+        self._guards = fn._artifacts.guard_manager
+        env = fn._artifacts.runtime_env
+        self._free = ({name: cell.cell_contents for name, cell in zip(env.bytecode.co_freevars, env.closure)}
+                      if env.closure else {})
+        kinds = [(p.name, p.kind) for p in fn._artifacts.signature.parameters.values()]
+        plain = [inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL,
+                 inspect.Parameter.VAR_KEYWORD]
+        self._varargs = tuple(n for n, _ in kinds) if [k for _, k in kinds] == plain else None
 
     def _first(self, args, kwargs) -> None:
         model = self.model
@@ -381,7 +408,7 @@ class TraceCache:
         start = time.perf_counter()
         if path.exists():
             try:
-                self.fn = self._load(path, args, kwargs)
+                self._ready(self._load(path, args, kwargs))
                 self.status = f"loaded {path.name} in {time.perf_counter() - start:.2f} s"
             except Exception as exc:  # a file from an interrupted writer, a torch that reads it otherwise
                 self.status = f"not used: the saved trace did not load ({_first_line(exc)}); traced as usual"
@@ -398,7 +425,7 @@ class TraceCache:
             self.status = f"not used: {reason}"
             _write(refused, reason.encode())
             return
-        self.fn = fn
+        self._ready(fn)
         took = time.perf_counter() - start
         try:
             self._save(fn, path)
