@@ -111,6 +111,15 @@ def test_a_changed_config_is_traced_anew(cache):
     assert rel_err(out, ref) < 1e-5
     assert "traced in" in _status(other), _status(other)
     assert len(list(cache.glob("*.trace"))) == 2
+    # Hugging Face's attention implementation is a private config attribute, left out of to_dict():
+    # "eager" traces another graph than "sdpa" (a key without it served the sdpa trace here)
+    from tests.models.registry import REGISTRY
+    manual, manual_eager = REGISTRY[0].build("eager"), REGISTRY[0].build("eager")
+    manual_eager.load_state_dict(manual.state_dict())
+    transfuse.optimize(manual, trace_cache=True)
+    out, ref = _run(manual, manual_eager, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5
+    assert "traced in" in _status(manual) and "ManualAttention" in graph_records(manual)[0].rewrites, _status(manual)
 
 
 class _Breaks(torch.nn.Module):
@@ -161,3 +170,20 @@ def test_off_by_default_and_a_bad_setting_is_one_line(monkeypatch):
     with pytest.raises(TransfuseError, match="TRANSFUSE_TRACE_CACHE='yes': use 1") as info:
         transfuse.optimize(other)
     assert "\n" not in str(info.value)
+
+
+def _double(module, inputs, output):
+    return output * 2
+
+
+def test_a_forward_hook_is_part_of_the_key(cache):
+    hooked, eager, ids = tiny_bert_twins()
+    for model in (hooked, eager):  # Dynamo traces the hook into the graph
+        model.embeddings.register_forward_hook(_double)
+    transfuse.optimize(hooked, trace_cache=True)
+    out, ref = _run(hooked, eager, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5 and "traced in" in _status(hooked), _status(hooked)
+    plain, plain_eager, _ = tiny_bert_twins()
+    transfuse.optimize(plain, trace_cache=True)
+    out, ref = _run(plain, plain_eager, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5 and "traced in" in _status(plain), _status(plain)

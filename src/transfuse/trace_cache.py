@@ -13,9 +13,13 @@ as the example inputs, exactly as Dynamo hands over a graph it has just traced.
 
 What decides whether a saved trace applies is a key over everything that shapes a trace and that the
 guards kept here do not check: the versions (Python, torch, transformers, transfuse's own source),
-the model (each module's type, plain attributes and tensors' shapes and dtypes, the code of its
-classes and of the modules that define them, its config), the call (each input's kind, dtype, rank
-and which dimensions are 1) and the modes (grad, inference, autocast, transfuse's SDPA choice). The
+the model (each module's type, plain attributes, private ones included, functions kept on it, forward
+hooks, and tensors' shapes and dtypes; the code and plain class attributes of its classes and the
+code of the modules that define them; its config, with the private switches to_dict() leaves out,
+such as the attention implementation), torch's global forward hooks, the call (each input's kind,
+dtype, device type and which dimensions are 1) and the modes (grad, inference, autocast,
+transfuse's SDPA choice). Python state the forward reads elsewhere (a global flag of another
+module) is not in the key: such a model should not use the cache. The
 guards that cannot be saved (on object identities: functions, closures, modules) are dropped, as
 well as the module-state guards optimize() drops anyway (guards.py); the key covers what they
 checked. Dynamo's remaining guards (input dtypes, ranks, static sizes, size relations) are checked
@@ -41,6 +45,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from pathlib import Path
 
 import torch
@@ -128,6 +133,8 @@ def _code_digest(digest, obj, seen: set) -> None:
             seen.add(id(func))
             digest.update(name.encode())
             digest.update(_code_bytes(func.__code__))
+        elif home is None and (text := _value_key(value)):  # a class attribute (`is_causal = False`)
+            digest.update(f"{name}={text};".encode())
 
 
 def _value_key(value) -> str:
@@ -138,6 +145,10 @@ def _value_key(value) -> str:
         return repr(tuple(value))
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
+    if isinstance(value, types.FunctionType):  # a function kept on a module (an activation)
+        return f"{value.__module__}.{value.__qualname__}:{hashlib.sha256(_code_bytes(value.__code__)).hexdigest()[:16]}"
+    if isinstance(value, types.BuiltinFunctionType):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     return ""
 
 
@@ -146,12 +157,13 @@ def _model_key(model: torch.nn.Module, digest) -> None:
     for name, module in model.named_modules():
         cls = type(module)
         digest.update(f"|{name}:{cls.__module__}.{cls.__qualname__}".encode())
-        for attr in sorted(module.__dict__):
-            if attr.startswith("_") and attr not in ("_is_hf_initialized",):
-                continue
+        for attr in sorted(module.__dict__):  # private ones too: `_attn_implementation`-like switches
             text = _value_key(module.__dict__[attr])
             if text:
                 digest.update(f"{attr}={text};".encode())
+        for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # Dynamo traces a module's hooks into the graph
+            for hook in getattr(module, hooks, {}).values():
+                digest.update(f"{hooks}:{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', type(hook).__qualname__)};".encode())
         for pname, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is not None:
                 digest.update(f"{pname}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type}:"
@@ -171,6 +183,13 @@ def _model_key(model: torch.nn.Module, digest) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    if config is not None:
+        # to_dict() leaves out private switches that choose code paths (Hugging Face's
+        # `_attn_implementation`: "eager" and "sdpa" trace different graphs)
+        for attr in sorted(vars(config)):
+            text = _value_key(vars(config)[attr])
+            if text:
+                digest.update(f"config.{attr}={text};".encode())
 
 
 def _input_key(value) -> str | None:
@@ -206,6 +225,10 @@ def key(model: torch.nn.Module, args: tuple, kwargs: dict, extra: str) -> tuple[
     digest.update("|".join([str(FORMAT), sys.version, torch.__version__, hf_version, _transfuse_source_hash(),
                             str(torch.is_grad_enabled()), str(torch.is_inference_mode_enabled()), str(autocast),
                             str(torch.get_default_dtype()), extra, *parts]).encode())
+    from torch.nn.modules import module as nn_module
+    for name in ("_global_forward_pre_hooks", "_global_forward_hooks"):  # torch.nn.modules.module's, every module's
+        for hook in getattr(nn_module, name, {}).values():
+            digest.update(f"{name}:{getattr(hook, '__qualname__', type(hook).__qualname__)};".encode())
     _model_key(model, digest)
     return digest.hexdigest()[:32], ""
 
@@ -321,7 +344,7 @@ class TraceCache:
     MISS = object()
 
     def __init__(self, model: torch.nn.Module, state, extra: str = ""):
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds its state, which holds this: no strong cycle
         self.state = state
         self.extra = extra  # optimize()'s options that shape a trace
         self.fn = None  # Dynamo's AOTCompiledFunction
@@ -333,6 +356,10 @@ class TraceCache:
         self._guards = None  # the guard manager of fn
         self._free: dict = {}  # the traced function's closure variables, by name (locals the guards may read)
         self._varargs = None  # (self, args, kwargs) names when the forward is `f(self, *args, **kwargs)`
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model()
 
     def drop(self, why: str) -> None:
         """A re-compile (a changed module, a moved parameter): the saved trace's backend is gone."""
@@ -445,10 +472,14 @@ class TraceCache:
             keep = module_filter(entries) if module_filter is not None else [True] * len(entries)
             return [k and _serializable_guard(e) for k, e in zip(keep, entries)]
 
+        # Dynamo keeps every backend alive for the whole process: this one holds the model weakly
+        # and transfuse's Backend (whose graphs release() frees with the model), not the state
+        owner, compiler = weakref.ref(model), state.backend
+
         def backend(gm, example_inputs):
-            _tag_static(gm, example_inputs, model)
+            _tag_static(gm, example_inputs, owner())
             saved = _savable_copy(gm)
-            return SavedGraph(saved, state.backend, state.backend(gm, example_inputs))
+            return SavedGraph(saved, compiler, compiler(gm, example_inputs))
 
         dynamic = None if state.backend.options.get("dynamic", True) else False
         # torch 2.11 attaches .aot_compile only with this set (2.13's default)
