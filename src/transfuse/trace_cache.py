@@ -4,7 +4,7 @@ loads the traced graph and its guards instead of tracing the model again.
 On a GPU host a warm first call of bert-base spends 3.0-4.8 of its 4.1-6.4 s in Dynamo's trace (H200,
 torch 2.11, bench/results/*-first-call-ab-session39.log); everything else it does is cached on disk
 already (Triton's binaries, transfuse's tuning choices). Dynamo's ahead-of-time compile
-(`torch.compile(fn, fullgraph=True).aot_compile(...)`, torch >= 2.10, experimental) traces a frame
+(`torch.compile(fn, fullgraph=True).aot_compile(...)`, experimental; used here on torch 2.11-2.13) traces a frame
 once and returns the transformed bytecode, the guards and the backend's result as one object that
 can be saved and loaded (torch/_dynamo/aot_compile.py). transfuse saves the graph as Dynamo traced
 it, before any pass (torch.fx's GraphPickler keeps its fake-tensor metadata and symbolic sizes); a
@@ -251,17 +251,21 @@ def _savable_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}
-        value = new.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None and value._is_view():
-            with value.fake_mode:
-                new.meta["example_value"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                                                device=value.device)
+        for name in ("example_value", "val"):
+            value = new.meta.get(name)
+            if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None and value._is_view():
+                with value.fake_mode:
+                    new.meta[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                                         device=value.device)
         env[node] = new
     return fx.GraphModule(gm, graph)
 
 
 def _serializable_base():
-    from torch._dynamo.aot_compile_types import SerializableCallable
+    try:
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except ImportError:  # a torch without the AOT compile: available() says so, nothing is cached
+        return object
     return SerializableCallable
 
 
