@@ -187,3 +187,20 @@ def test_a_forward_hook_is_part_of_the_key(cache):
     transfuse.optimize(plain, trace_cache=True)
     out, ref = _run(plain, plain_eager, ids, _mask(2, 7, 4))
     assert rel_err(out, ref) < 1e-5 and "traced in" in _status(plain), _status(plain)
+
+
+def test_a_decoder_whose_guards_cannot_be_saved_counts_one_trace(cache):
+    # optimize() gives a model with generate() a subclass of its own (runtime/generation.py), which
+    # the saved guards cannot name: the attempt's compile is dropped, torch.compile traces as usual
+    import transformers
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=97, n_positions=64)
+    torch.manual_seed(0)
+    model, eager = transformers.GPT2LMHeadModel(config).eval(), transformers.GPT2LMHeadModel(config).eval()
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 97, (2, 9))
+    transfuse.optimize(model, trace_cache=True)
+    with torch.no_grad():
+        out, ref = model(input_ids=ids).logits, eager(input_ids=ids).logits
+    assert rel_err(out, ref) < 1e-5
+    assert "not used: the forward did not trace as one savable graph" in _status(model), _status(model)
+    assert len(graph_records(model)) == 1  # the failed attempt's compile is not counted as a trace

@@ -447,11 +447,14 @@ class TraceCache:
         if refused.exists():
             self.status = f"not used: {refused.read_text().strip()} (remembered in {refused.name})"
             return
+        backend = self.state.backend
+        marks = [len(getattr(backend, name)) for name in _BACKEND_LISTS]
         try:
             fn = self._trace(args, kwargs)
         except torch._dynamo.exc.RestartAnalysis:
             raise
         except Exception as exc:
+            _forget_compiles(backend, marks)  # the attempt is not one of the model's traces: the report counts those
             reason = f"the forward did not trace as one savable graph ({_first_line(exc)})"
             self.status = f"not used: {reason}"
             _write(refused, reason.encode())
@@ -588,6 +591,21 @@ def _copy_marks(value, saved) -> None:
     elif isinstance(value, (tuple, list)) and isinstance(saved, (tuple, list)) and len(value) == len(saved):
         for v, sv in zip(value, saved):
             _copy_marks(v, sv)
+
+
+_BACKEND_LISTS = ("records", "graphs", "runners", "merged")
+
+
+def _forget_compiles(backend, marks: list[int]) -> None:
+    """Drops what a failed AOT attempt compiled in `backend` (its graph traced whole, and then its
+    guards or bytecode could not be saved): its record, graph, runner and merged weights, and the
+    slot that holds its CUDA graphs. Nothing calls that compile."""
+    slots = backend._slots
+    for i in range(marks[1], len(backend.graphs)):
+        if i < len(slots):
+            slots[i] = None
+    for name, mark in zip(_BACKEND_LISTS, marks):
+        del getattr(backend, name)[mark:]
 
 
 def _first_line(exc: BaseException) -> str:
