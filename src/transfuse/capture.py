@@ -128,8 +128,9 @@ class _State:
         self.trace_settings = tracing_sdpa.inside_forward(settings)
 
 
-def _own_code(forward):
-    """The forward with a code object of its own (an equal copy), bound to the same module.
+def _own_code(forward, f_globals: dict | None = None):
+    """The forward with a code object of its own (an equal copy), bound to the same module; on
+    `f_globals` instead of its module's globals when given (trace_cache.py's AOT compile).
 
     Dynamo keeps the graphs it compiled for a function on that function's code object, and caps
     their number per code object (accumulated_recompile_limit, 256). Hugging Face's forwards are
@@ -141,8 +142,8 @@ def _own_code(forward):
     func = getattr(forward, "__func__", forward)
     if not isinstance(func, types.FunctionType):
         return forward
-    twin = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                              func.__closure__)
+    twin = types.FunctionType(func.__code__.replace(), func.__globals__ if f_globals is None else f_globals,
+                              func.__name__, func.__defaults__, func.__closure__)
     twin.__kwdefaults__ = func.__kwdefaults__
     twin.__dict__.update(func.__dict__)  # functools.wraps' __wrapped__, HF's markers
     twin.__qualname__, twin.__module__, twin.__doc__ = func.__qualname__, func.__module__, func.__doc__

@@ -569,14 +569,10 @@ def _with_builtins(forward):
     """The forward on a copy of its globals that also names the builtins: torch 2.11's AOT compile
     requires every global its bytecode loads, `type` too, to be in the function's globals (2.13
     looks in the builtins as well). A copy: the module's own globals stay as they are."""
+    from transfuse.capture import _own_code  # capture imports this module
+
     func = getattr(forward, "__func__", forward)
-    twin = types.FunctionType(func.__code__, {**vars(builtins), **func.__globals__}, func.__name__,
-                              func.__defaults__, func.__closure__)
-    twin.__kwdefaults__ = func.__kwdefaults__
-    twin.__dict__.update(func.__dict__)
-    twin.__qualname__, twin.__module__ = func.__qualname__, func.__module__
-    owner = getattr(forward, "__self__", None)
-    return types.MethodType(twin, owner) if owner is not None and forward is not func else twin
+    return _own_code(forward, {**vars(builtins), **func.__globals__})
 
 
 def _copy_marks(value, saved) -> None:
