@@ -14,12 +14,17 @@ import transfuse
 from tests.helpers import graph_records, rel_err, tiny_bert_twins
 from transfuse import trace_cache
 from transfuse.backend import TransfuseError
+from transfuse.runtime import precompile
 
 pytestmark = pytest.mark.skipif(not trace_cache.available(), reason="this torch has no ahead-of-time Dynamo compile")
 
 
 def _status(model) -> str:
     return model._transfuse_state.trace_cache.describe()
+
+
+def _runners(model) -> list:
+    return [r for b in model._transfuse_state.backends for r in b.runners]
 
 
 def _run(model, eager, ids, mask):
@@ -54,6 +59,10 @@ def test_a_second_model_loads_the_trace_and_reads_its_own_weights(cache):
     out, ref = _run(second, eager2, ids, _mask(2, 7, 4))
     assert rel_err(out, ref) < 1e-5
     assert "loaded" in _status(second), _status(second)
+    # the loaded graph names its nodes otherwise, but is the same graph to the precompile's marker
+    # (a second process would dry-run every bucket again otherwise)
+    traced, loaded = (precompile.graph_fingerprint(_runners(m)[0].fn) for m in (first, second))
+    assert traced == loaded and _runners(first)[0].fn.code != _runners(second)[0].fn.code
     # another batch and length: the same trace (dynamic sizes), a bucket of its own
     ids3 = torch.randint(3, 97, (3, 11))
     out, ref = _run(second, eager2, ids3, _mask(3, 11, 6))

@@ -246,7 +246,7 @@ class PaddedRunner(GraphCache):
         rows = lambda combo: math.prod(at(combo)[s] for s in rows_dims)  # noqa: E731
         combos = precompile.grid(sizes, rows, max(precompile.MAX_ROWS, math.prod(target[s] for s in rows_dims)))
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        marker = precompile.marker(device, getattr(self.fn, "code", ""),
+        marker = precompile.marker(device, precompile.graph_fingerprint(self.fn),
                                    [sorted(map(str, at(c).values())) for c in combos])
         if marker is not None and marker.exists():
             self.precompiled = dict(done, skipped="compiled by an earlier process (Triton's disk cache has them)")

@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import re
 import time
 import warnings
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -306,6 +307,29 @@ def bucket_sizes(policy, upper: int | None, cap: int, lower: int = 0) -> list[in
 def grid(groups: list[list[int]], rows_of, max_rows: int) -> list[tuple]:
     """The product of each group's sizes, keeping the combinations whose rows (rows_of(combo)) fit."""
     return [combo for combo in itertools.product(*groups) if rows_of(combo) <= max_rows]
+
+
+def graph_fingerprint(fn) -> str:
+    """What a graph computes, not what its nodes are called: each node's op, target and arguments,
+    with other nodes by position. A graph loaded from the trace cache names its nodes differently
+    from the same graph traced in the process that saved it (getitem_23 against getitem_36); keyed by
+    its code, its buckets would be dry-run once more for nothing."""
+    graph = getattr(fn, "graph", None)
+    if graph is None:
+        return getattr(fn, "code", "")
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    lines = []
+    for node in graph.nodes:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        if node.op == "placeholder":  # its shape, not its name: two geometries of one model class differ here
+            val = node.meta.get("val", node.meta.get("example_value"))
+            target = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else type(val).__name__
+        elif isinstance(node.target, torch._ops.OpOverload):
+            target = str(node.target)
+        else:
+            target = getattr(node.target, "__qualname__", node.target)
+        lines.append(f"{node.op} {target} {args!r} {kwargs!r}")
+    return re.sub(r" at 0x[0-9a-f]+", "", "\n".join(lines))  # object reprs: no addresses
 
 
 def marker(device: torch.device, graph_code: str, keys: list) -> Path | None:
