@@ -1,5 +1,7 @@
 """Only math SDPA is enabled while Dynamo traces a transfuse forward; the user's flags everywhere else."""
 
+import copy
+
 import pytest
 import torch
 
@@ -318,3 +320,38 @@ def test_overlapping_traces_on_two_threads_leave_the_users_state(monkeypatch):
     assert torch.nn.functional.scaled_dot_product_attention is tracing_sdpa._SDPA
     assert _user_flags() == user_flags
     assert torch._dynamo.config.automatic_dynamic_shapes == user_dynamic
+
+
+def test_matmul_of_an_expanded_batch_traces_without_a_batch_guard():
+    """tracing_matmul.py: inside a transfuse trace without gradients, `a @ b` on 3-d operands with the
+    same batch (and a 3-d operand times a matrix) makes no guard on the batch, gives torch.matmul's
+    values, and matmul's own decomposition is back once the trace ends."""
+    from torch._C import DispatchKey
+
+    from transfuse import tracing_matmul
+
+    if not tracing_matmul.available():
+        pytest.skip("this torch has no Python decomposition of matmul")
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.rand(4), persistent=False)
+            self.head = torch.nn.Linear(8, 8, bias=False)  # an LM head on the last position
+
+        def forward(self, x, position_ids):
+            inv = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)
+            freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+            return self.head(x[:, -1:, :]) + torch.cat((freqs, freqs), -1)[:, -1:, :]
+
+    torch.manual_seed(0)
+    model = Rotary().eval()
+    eager = copy.deepcopy(model)
+    transfuse.optimize(model)
+    with torch.no_grad():
+        for batch in (3, 1, 2):
+            x, pos = torch.randn(batch, 5, 8), torch.arange(5).repeat(batch, 1)
+            assert torch.allclose(model(x, pos), eager(x, pos), atol=1e-6)
+    assert sum(len(b.records) for b in model._transfuse_state.backends) == 1
+    assert torch.ops.aten.matmul.default.py_kernels[DispatchKey.CompositeImplicitAutograd] is tracing_matmul.current()
+    assert tracing_matmul.current() is not tracing_matmul.guard_free

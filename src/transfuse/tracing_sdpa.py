@@ -33,7 +33,10 @@ choice; nothing changes for other torch.compile users in the process (the switch
 a transfuse forward). Through `torch.compile(model, backend="transfuse")` Dynamo traces before
 transfuse is called: there SDPA runs as it is.
 
-TRANSFUSE_TRACE_SDPA=auto (the default): the stand-in in traces without gradients, and math-only
+The same traces give torch.matmul a fake-tensor rule that makes no batch guard either
+(tracing_matmul.py: Llama-style rotary embeddings traced twice, at batch 1 and at larger batches).
+
+TRANSFUSE_TRACE_SDPA=auto (the default): the stand-ins in traces without gradients, and math-only
 SDPA on a machine with CUDA under torch < 2.13; =math: math-only SDPA in every trace and no
 stand-in (the behaviour before the stand-in); =as-is: neither.
 """
@@ -44,6 +47,8 @@ import threading
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from transfuse import tracing_matmul
 
 ENV = "TRANSFUSE_TRACE_SDPA"
 # torch before 2.13 guards on the batch in check_attn_mask_shape (see above)
@@ -228,6 +233,9 @@ def _on_compile_start(*_args) -> None:
             taken.append(_take("flags", _flags, _set, {name: name == "math_sdp" for name in flags}))
         if not torch.is_grad_enabled() and stand_in_enabled():
             taken.append(_take("sdpa", _sdpa_function, _set_sdpa_function, _TRACED))
+            if tracing_matmul.available():  # no batch guard from matmul's decomposition either
+                taken.append(_take("matmul", tracing_matmul.current, tracing_matmul.install,
+                                   tracing_matmul.guard_free))
     stack = getattr(_local, "settings", ())
     settings_taken = _local.__dict__.setdefault("settings_taken", [])
     if stack and not settings_taken:

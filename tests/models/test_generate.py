@@ -344,3 +344,22 @@ def test_latent_attention_cache_keeps_two_head_dims():
     assert torch.equal(out, ref)
     rewrites = rewrite_counts(model)
     assert rewrites["KVCacheWrite"] == 2 and rewrites["TorchSDPA"] == 2, rewrites
+
+
+def test_a_batch_of_one_after_larger_batches_traces_nothing_more():
+    """Llama's rotary embedding multiplies an expanded (batch, dim / 2, 1) by the position ids:
+    matmul's decomposition, run on fake tensors while Dynamo traces, asked whether the batch is 1, and
+    a model traced at batch 3 traced its prompt and its decode step again at batch 1 (tracing_matmul.py).
+    Tokens equal eager's at every batch; the two traces serve them all."""
+    torch.manual_seed(0)
+    model = _lm("llama", layers=1).eval()
+    batches = [torch.randint(3, 97, (b, 5)) for b in (3, 1, 2)]
+    with torch.no_grad():
+        refs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+                for ids in batches]
+        transfuse.optimize(model)
+        for ids, ref in zip(batches, refs):
+            assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                              do_sample=False), ref)
+    traces = sum(len(b.records) for b in model._transfuse_state.backends)
+    assert traces == 2, f"{traces} traces: the prompt's and the decode step's, whatever the batch"
