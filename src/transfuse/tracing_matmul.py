@@ -15,7 +15,9 @@ that guards the same way when the input is a slice, as the LM head's last positi
 
 For 3-d operands whose batch sizes are provably equal (the same symbol, or the same number), and for
 a 3-d operand times a matrix (the matrix expanded along the batch), matmul is bmm: same values, same
-contiguous (batch, n, p) output. Only the fake-tensor rule changes: the
+contiguous (batch, n, p) output. F.linear with a bias is not covered: it takes torch's C++ path
+(addmm on the folded input), which has no Python rule to swap, and still guards on a sliced batch
+(Phi's and GPT-J's LM heads in a decode step: one more trace there, development CPU). Only the fake-tensor rule changes: the
 graph still records `a @ b`, which runs as torch.matmul, and every other case (other ranks,
 broadcast batches, out=) takes the decomposition as it is. The rule is swapped in by the
 compile-start callback of tracing_sdpa.py (shared, counted and given back as that module's SDPA
