@@ -17,9 +17,10 @@ For 3-d operands whose batch sizes are provably equal (the same symbol, or the s
 a 3-d operand times a matrix (the matrix expanded along the batch), matmul is bmm: same values, same
 contiguous (batch, n, p) output. F.linear with a bias is not covered: it takes torch's C++ path
 (addmm on the folded input), which has no Python rule to swap, and still guards on a sliced batch
-(Phi's and GPT-J's LM heads in a decode step: one more trace there, development CPU). Only the fake-tensor rule changes: the
-graph still records `a @ b`, which runs as torch.matmul, and every other case (other ranks,
-broadcast batches, out=) takes the decomposition as it is. The rule is swapped in by the
+(Phi's and GPT-J's LM heads in a decode step: one more trace there, development CPU).
+
+Only the fake-tensor rule changes: the graph still records `a @ b`, which runs as torch.matmul, and
+every other case (other ranks, broadcast batches, out=) takes the decomposition as it is. The rule is swapped in by the
 compile-start callback of tracing_sdpa.py (shared, counted and given back as that module's SDPA
 switch is) and given back before transfuse's backend reads the graph; TRANSFUSE_TRACE_SDPA=math or
 =as-is leaves matmul alone too.
@@ -35,19 +36,20 @@ _OP = torch.ops.aten.matmul.default
 _KEY = DispatchKey.CompositeImplicitAutograd
 
 
-def _decomposition():
-    """matmul's Python decomposition as registered now (None in a build that has none)."""
+def current():
+    """matmul's CompositeImplicitAutograd rule as registered now (None in a build that has none)."""
     return getattr(_OP, "py_kernels", {}).get(_KEY)
 
 
-_ORIGINAL = _decomposition()
+_ORIGINAL = current()  # torch's own decomposition
 
 
 def available() -> bool:
     return _ORIGINAL is not None and hasattr(_OP, "_dispatch_cache")
 
 
-def _batched_as_bmm(tensor1, tensor2, **kwargs):
+def guard_free(tensor1, tensor2, **kwargs):
+    """matmul's fake-tensor rule while a transfuse trace runs: bmm's where it is matmul (see above)."""
     if not kwargs and tensor1.dim() == 3:
         if tensor2.dim() == 3 and statically_known_true(tensor1.shape[0] == tensor2.shape[0]):
             return torch.bmm(tensor1, tensor2)
@@ -56,14 +58,8 @@ def _batched_as_bmm(tensor1, tensor2, **kwargs):
     return _ORIGINAL(tensor1, tensor2, **kwargs)
 
 
-def current():
-    return _decomposition()
-
-
 def install(rule) -> None:
     """Sets matmul's CompositeImplicitAutograd rule (`guard_free`, or what current() returned)."""
     _OP.py_kernels[_KEY] = rule
     _OP._dispatch_cache.clear()
 
-
-guard_free = _batched_as_bmm

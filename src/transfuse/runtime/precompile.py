@@ -332,7 +332,7 @@ def graph_fingerprint(fn) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", "\n".join(lines))  # object reprs: no addresses
 
 
-def marker(device: torch.device, graph_code: str, keys: list) -> Path | None:
+def marker(device: torch.device, fingerprint: str, keys: list) -> Path | None:
     """The file whose presence says this graph's buckets were compiled into this Triton cache."""
     if device.type != "cuda":
         return None
@@ -341,7 +341,7 @@ def marker(device: torch.device, graph_code: str, keys: list) -> Path | None:
 
     triton_dir = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
     sources = sorted(Path(kernels.__file__).parent.glob("*.py"))
-    return cache_dir() / "precompiled" / identity(device, sources, triton_dir, graph_code, repr(keys))[:24]
+    return cache_dir() / "precompiled" / identity(device, sources, triton_dir, fingerprint, repr(keys))[:24]
 
 
 def mark(path: Path | None) -> None:
