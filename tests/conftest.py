@@ -147,6 +147,33 @@ if not torch.cuda.is_available():
 if not os.environ.get("TRANSFUSE_TESTS_FAKE_TENSOR_CACHE") and not torch.cuda.is_available():
     _speed_up_tracing()
 
+
+
+def _own_cache_directory():
+    """transfuse keeps Dynamo's traces on disk by default (trace_cache.py): a CPU run of the suite
+    gets a directory of its own, shared by its xdist workers and the subprocesses its tests start,
+    so that what an earlier run saved in ~/.cache/transfuse (another checkout's trace of the same
+    tiny model) is never what a test loads. Inside the run, a model that two tests build alike is
+    traced once and loaded after, as for a user. The GPU runs keep the default directory: its GEMM
+    tuning choices spare the next run minutes of timing."""
+    import tempfile
+    import uuid
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+    path = os.path.join(tempfile.gettempdir(), f"transfuse-tests-{run}")
+    os.environ["TRANSFUSE_CACHE_DIR"] = path
+    return path
+
+
+_OWN_CACHE = (_own_cache_directory() if not os.environ.get("TRANSFUSE_CACHE_DIR") and not torch.cuda.is_available()
+              else None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None and not hasattr(session.config, "workerinput"):  # the controller, after its workers
+        import shutil
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 

@@ -170,10 +170,18 @@ def test_inputs_that_are_not_tensors_are_left_to_torch_compile(cache):
     assert "not used: input 'output_hidden_states' is a list" in _status(model), _status(model)
 
 
-def test_off_by_default_and_a_bad_setting_is_one_line(monkeypatch):
+def test_on_by_default_off_by_setting_and_a_bad_setting_is_one_line(monkeypatch):
+    monkeypatch.delenv(trace_cache.ENV, raising=False)
     model, _, _ = tiny_bert_twins()
     transfuse.optimize(model)
-    assert model._transfuse_state.trace_cache is None
+    assert model._transfuse_state.trace_cache is not None
+    off, _, _ = tiny_bert_twins()
+    transfuse.optimize(off, trace_cache=False)
+    assert off._transfuse_state.trace_cache is None
+    monkeypatch.setenv(trace_cache.ENV, "0")
+    off, _, _ = tiny_bert_twins()
+    transfuse.optimize(off)
+    assert off._transfuse_state.trace_cache is None
     monkeypatch.setenv(trace_cache.ENV, "yes")
     other, _, _ = tiny_bert_twins()
     with pytest.raises(TransfuseError, match="TRANSFUSE_TRACE_CACHE='yes': use 1") as info:
@@ -198,9 +206,9 @@ def test_a_forward_hook_is_part_of_the_key(cache):
     assert rel_err(out, ref) < 1e-5 and "traced in" in _status(plain), _status(plain)
 
 
-def test_a_decoder_whose_guards_cannot_be_saved_counts_one_trace(cache):
+def test_a_decoder_is_left_to_torch_compile_without_an_attempt(cache):
     # optimize() gives a model with generate() a subclass of its own (runtime/generation.py), which
-    # the saved guards cannot name: the attempt's compile is dropped, torch.compile traces as usual
+    # the saved guards cannot name: no attempt (a whole trace of a decoder), torch.compile traces as usual
     import transformers
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=97, n_positions=64)
     torch.manual_seed(0)
@@ -211,5 +219,77 @@ def test_a_decoder_whose_guards_cannot_be_saved_counts_one_trace(cache):
     with torch.no_grad():
         out, ref = model(input_ids=ids).logits, eager(input_ids=ids).logits
     assert rel_err(out, ref) < 1e-5
-    assert "not used: the forward did not trace as one savable graph" in _status(model), _status(model)
-    assert len(graph_records(model)) == 1  # the failed attempt's compile is not counted as a trace
+    assert "not used: a model with generate()" in _status(model), _status(model)
+    assert len(graph_records(model)) == 1 and not list(cache.glob("*"))
+
+
+def test_a_changed_global_makes_the_saved_trace_stale(cache, monkeypatch):
+    # Dynamo guards the globals a forward reads by identity, which no saved trace can keep: the
+    # attention function Hugging Face's registry gives for "sdpa" here. Checked by value at load: a
+    # function registered under that name after the save is another function, so the trace is made
+    # again (and replaces the file), and the outputs are the new function's.
+    from transformers.modeling_utils import AttentionInterface
+    first, eager, ids = tiny_bert_twins()
+    transfuse.optimize(first, trace_cache=True)
+    _run(first, eager, ids, _mask(2, 7, 4))
+    original = AttentionInterface._global_mapping["sdpa"]
+
+    def halved(module, query, key, value, attention_mask, **kwargs):
+        out, weights = original(module, query, key, value, attention_mask, **kwargs)
+        return out * 0.5, weights
+
+    with monkeypatch.context() as patch:
+        patch.setitem(AttentionInterface._global_mapping, "sdpa", halved)
+        second, eager2, _ = tiny_bert_twins()
+        transfuse.optimize(second, trace_cache=True)
+        out, ref = _run(second, eager2, ids, _mask(2, 7, 4))
+        assert rel_err(out, ref) < 1e-5
+        status = _status(second)
+        assert "traced in" in status and "the saved one was stale: " in status, status
+        assert "['_global_mapping']['sdpa'] is " in status and "sdpa_attention_forward" in status, status
+        assert len(list(cache.glob("*.trace"))) == 1  # replaced
+    # the original function again: stale once more, traced with it
+    third, eager3, _ = tiny_bert_twins()
+    transfuse.optimize(third, trace_cache=True)
+    out, ref = _run(third, eager3, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5 and "the saved one was stale" in _status(third), _status(third)
+
+
+def test_the_saved_trace_is_made_with_the_settings_of_a_transfuse_trace(cache, monkeypatch):
+    # the AOT compile runs no compile callbacks: trace_cache applies what they would (tracing_sdpa.py),
+    # so the graph saved is the graph torch.compile would trace (the stand-in SDPA, Dynamo's settings)
+    import torch.fx.experimental._config as fx_config
+    from transfuse import tracing_sdpa
+    monkeypatch.delenv(tracing_sdpa.ENV, raising=False)
+    seen = []
+    original_call = transfuse.backend.Backend.__call__
+
+    def backend_call(self, gm, example_inputs):
+        sdpa = [n for n in gm.graph.nodes if n.op == "call_function" and "sdpa" in str(n.target)]
+        seen.append((torch._dynamo.config.automatic_dynamic_shapes, fx_config.backed_size_oblivious,
+                     torch.nn.functional.scaled_dot_product_attention is tracing_sdpa._TRACED, len(sdpa)))
+        return original_call(self, gm, example_inputs)
+
+    monkeypatch.setattr(transfuse.backend.Backend, "__call__", backend_call)
+    model, eager, ids = tiny_bert_twins()
+    transfuse.optimize(model, trace_cache=True)
+    out, ref = _run(model, eager, ids, _mask(2, 7, 4))
+    assert rel_err(out, ref) < 1e-5 and "saved as" in _status(model), _status(model)
+    # inside the trace: Dynamo's settings and the stand-in, one per layer
+    assert seen == [(False, True, True, model.config.num_hidden_layers)], seen
+    assert torch.nn.functional.scaled_dot_product_attention is not tracing_sdpa._TRACED
+
+
+def test_a_module_that_dynamo_names_by_object_id_is_found_again():
+    # on a GPU Dynamo reads torch.Tensor through `G['_<id>_c5']`, a name of the saving process only:
+    # the saved aliases map it to the module, and the load's check reads it through them
+    alias = f"_{id(torch)}_c5"
+    checks = [[f"G['{alias}'].Tensor", "CLASS_MATCH", trace_cache._describe(torch.Tensor, "CLASS_MATCH")]]
+    refs = trace_cache._module_refs([], checks, {alias: torch, "other": 3})
+    assert refs == {alias: "torch"}
+    trace_cache._check_globals(checks, {alias: torch})  # holds
+    with pytest.raises(trace_cache.StaleGlobals, match="cannot be read now"):
+        trace_cache._check_globals(checks, {})  # an alias nobody mapped: stale, traced again
+    checks[0][2] = "builtins.int"
+    with pytest.raises(trace_cache.StaleGlobals, match=r"is torch.Tensor, the saved trace saw builtins.int"):
+        trace_cache._check_globals(checks, {alias: torch})

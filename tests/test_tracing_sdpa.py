@@ -10,6 +10,13 @@ from transfuse import tracing_sdpa
 from tests.helpers import rewrite_counts, tiny_bert_twins
 
 
+@pytest.fixture(autouse=True)
+def _every_call_traces(monkeypatch):
+    """These tests look at what happens while Dynamo traces: a trace that another test of the run
+    saved (trace_cache.py, on by default) would be loaded instead, and nothing traced."""
+    monkeypatch.setenv("TRANSFUSE_TRACE_CACHE", "0")
+
+
 def _user_flags():
     return tracing_sdpa._flags()
 

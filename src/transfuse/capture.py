@@ -67,7 +67,7 @@ class _State:
         self.lock = CallLock(self.device_index)
         self.device_tensor = lambda: None  # weakref to the model's first parameter or buffer, set by compile()
         self.trace_settings = None  # tracing_sdpa.inside_forward with this model's Dynamo settings, set by compile()
-        self.trace_cache = None  # trace_cache.TraceCache when optimize(trace_cache=True) or TRANSFUSE_TRACE_CACHE=1
+        self.trace_cache = None  # trace_cache.TraceCache unless optimize(trace_cache=False) or TRANSFUSE_TRACE_CACHE=0
 
     def check_traces(self, original, max_traces: int) -> None:
         """Called after each call that traced: past max_traces such calls, the model runs as it was (see
@@ -229,7 +229,7 @@ def optimize(
         calls, so that each decode step replays one CUDA graph (runtime/generation.py).
     trace_cache: keep Dynamo's trace of the forward on disk, so that a later process with the same
         model, inputs and versions loads it instead of tracing (trace_cache.py); None reads
-        TRANSFUSE_TRACE_CACHE (1 or 0, default 0).
+        TRANSFUSE_TRACE_CACHE (1 or 0, default 1).
     training_graphs (in **options): a training graph runs as AOTAutograd's forward and backward
         graphs, replayed as CUDA graphs (runtime/training_graphs.py). On by default on a GPU, off on
         the CPU (see backend._training_graphs). As under torch.compile(mode="reduce-overhead"), a

@@ -18,29 +18,34 @@ hooks, and tensors' shapes and dtypes; the code and plain class attributes of it
 code of the modules that define them; its config, with the private switches to_dict() leaves out,
 such as the attention implementation), torch's global forward hooks, the call (each input's kind,
 dtype, device type and which dimensions are 1) and the modes (grad, inference, autocast,
-transfuse's SDPA choice). Python state the forward reads elsewhere (a global flag of another
-module) is not in the key: such a model should not use the cache. The
-guards that cannot be saved (on object identities: functions, closures, modules) are dropped, as
-well as the module-state guards optimize() drops anyway (guards.py); the key covers what they
-checked. Dynamo's remaining guards (input dtypes, ranks, static sizes, size relations) are checked
-at every call: a call they refuse goes through torch.compile as usual.
+transfuse's SDPA choice). The module-state guards optimize() drops anyway (guards.py) are dropped
+here too; the key covers what they checked. Dynamo's guards on globals (the functions, flags and
+registries the forward reads in any module) check object identities, which do not survive a process:
+they are saved as what each one checks by value (a function's code, a class's name, a flag's value,
+a registry's keys) and checked once when the trace loads; a global that changed since (a
+monkeypatched function, another attention function registered under the config's name) makes the
+saved trace stale, and the forward is traced and saved again. Dynamo's remaining guards (input
+dtypes, ranks, static sizes, size relations) are checked at every call: a call they refuse goes
+through torch.compile as usual.
 
 Used for inference calls whose forward traces as one graph, with tensors (or None and plain
 constants) as inputs, of a model that nothing rewrote before the trace (branchless.py). A forward
 that cannot be traced whole, or whose guards cannot be saved, is remembered as such on disk (the next
 process does not try again) and runs through torch.compile; transfuse.report(model) says which.
-Opt-in while it is new: optimize(model, trace_cache=True) or TRANSFUSE_TRACE_CACHE=1.
+On by default; optimize(model, trace_cache=False) or TRANSFUSE_TRACE_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import enum
 import hashlib
 import importlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -55,7 +60,7 @@ from transfuse.runtime.tuning_cache import cache_dir
 
 log = logging.getLogger("transfuse")
 ENV = "TRANSFUSE_TRACE_CACHE"
-FORMAT = 1  # bumped when what is saved changes
+FORMAT = 2  # bumped when what is saved changes (2: the checks of the guards on globals)
 _PRIMITIVES = (bool, int, float, str, type(None))
 _loading = threading.local()  # the backend a trace being loaded hands its graph to
 
@@ -65,10 +70,10 @@ class TraceCacheError(ValueError):
 
 
 def requested(option: bool | None) -> bool:
-    """optimize()'s trace_cache, else TRANSFUSE_TRACE_CACHE (0 or 1, default 0)."""
+    """optimize()'s trace_cache, else TRANSFUSE_TRACE_CACHE (0 or 1, default 1)."""
     if option is not None:
         return bool(option)
-    value = os.environ.get(ENV, "0")
+    value = os.environ.get(ENV, "1")
     if value not in ("0", "1"):
         raise TraceCacheError(f"{ENV}={value!r}: use 1 (keep Dynamo's traces on disk) or 0")
     return value == "1"
@@ -338,6 +343,110 @@ def _serializable_guard(entry) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The guards on globals, checked at load by value
+# ----------------------------------------------------------------------------------------------------
+
+class StaleGlobals(Exception):
+    """A global the saved trace read is not what it was when the trace was saved."""
+
+
+def _plain(value) -> str:
+    """What a guard on a global checks of `value`, in words that mean the same in another process:
+    a constant's value, a function's code, a class's or module's name (not object identities)."""
+    if isinstance(value, _PRIMITIVES):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_plain(v) for v in value) + ")"
+    if isinstance(value, enum.Enum):
+        return f"{_qualname(type(value))}.{value.name}"
+    if isinstance(value, types.FunctionType):
+        return f"{_qualname(value)}:{hashlib.sha256(_code_bytes(value.__code__)).hexdigest()[:16]}"
+    if isinstance(value, types.CodeType):  # a closure's guard is on its function's __code__
+        return f"code {value.co_qualname}:{hashlib.sha256(_code_bytes(value)).hexdigest()[:16]}"
+    if isinstance(value, (type, types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return _qualname(value)
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return f"a {_qualname(type(value))}"
+
+
+def _qualname(obj) -> str:
+    return f"{getattr(obj, '__module__', None) or ''}.{getattr(obj, '__qualname__', None) or type(obj).__qualname__}"
+
+
+def _describe(value, guard_type: str) -> str:
+    """The part of `value` a Dynamo guard of `guard_type` checks, as _plain() words."""
+    if guard_type == "SEQUENCE_LENGTH":
+        return f"len {len(value)}"
+    if guard_type in ("DICT_KEYS_MATCH", "DICT_KEYS", "DICT_CONTAINS", "DICT_NOT_CONTAINS"):
+        return "keys " + _plain(list(value.keys()))
+    if guard_type == "NOT_PRESENT_IN_GENERIC_DICT":
+        return "attributes " + _plain(sorted(getattr(value, "__dict__", {})))
+    if guard_type == "TYPE_MATCH":
+        return "type " + _qualname(type(value))
+    return _plain(value)
+
+
+_GLOBAL_NAME = re.compile(r"G\['([^']+)'\]")  # the globals a guard's source reads
+
+
+class _Globals(dict):
+    """The namespace a guard's source (`G['__import_transformers_dot_masking_utils'].x`) is read
+    in at load: the forward's globals, and the aliases Dynamo names modules and the builtins by."""
+
+    def __missing__(self, name: str):
+        if name.startswith("__import_"):
+            return importlib.import_module(name[len("__import_"):].replace("_dot_", "."))
+        if name.startswith("__builtins_dict__"):
+            return vars(builtins)
+        raise KeyError(name)
+
+
+def _global_checks(entries) -> list:
+    """[source, guard type, description] of every guard on a global in `entries`: Dynamo checks
+    those by object identity, which does not survive a process, so the saved trace checks them by
+    value when it loads (a monkeypatched function, a changed flag, another attention function
+    registered under the name the config gives: the saved trace is stale and the forward is traced
+    again). A guard whose value is not known cannot be checked: the trace is not saved."""
+    checks = []
+    for entry in entries:
+        if not entry.is_global or entry.guard_type == "DUPLICATE_INPUT":  # aliasing of two globals: not a value
+            continue
+        if not entry.has_value:
+            raise StaleGlobals(f"a guard on {_short(entry.name)} has no value to check at load")
+        checks.append([entry.name, entry.guard_type, _describe(entry.value, entry.guard_type)])
+    return checks
+
+
+def _module_refs(external_refs, checks, globals_now: dict) -> dict:
+    """Alias -> module name for the globals of the saved bytecode and guards that are modules: Dynamo
+    names some by object id (`G['_140672765925616_c5'].Tensor`: torch), a name only the saving
+    process has, so a load maps it to the module again."""
+    names = list(external_refs)
+    for check in checks if isinstance(checks, list) else ():
+        names += _GLOBAL_NAME.findall(check[0])
+    return {name: globals_now[name].__name__ for name in dict.fromkeys(names)
+            if isinstance(globals_now.get(name), types.ModuleType)}
+
+
+def _check_globals(checks: list, f_globals: dict) -> None:
+    namespace = {"G": _Globals(f_globals), "__builtins__": builtins}
+    for name, guard_type, description in checks:
+        try:
+            now = _describe(eval(name, namespace), guard_type)  # noqa: S307 - a guard source Dynamo wrote
+        except Exception as exc:
+            raise StaleGlobals(f"{_short(name)} cannot be read now ({_first_line(exc)})") from None
+        if now != description:
+            raise StaleGlobals(f"{_short(name)} is {now[:100]}, the saved trace saw {description[:100]}")
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 160 else f"{name[:60]}...{name[-90:]}"
+
+
+# ----------------------------------------------------------------------------------------------------
 # One model's cached trace
 # ----------------------------------------------------------------------------------------------------
 
@@ -360,6 +469,7 @@ class TraceCache:
         self._guards = None  # the guard manager of fn
         self._free: dict = {}  # the traced function's closure variables, by name (locals the guards may read)
         self._varargs = None  # (self, args, kwargs) names when the forward is `f(self, *args, **kwargs)`
+        self._checks: list | str = []  # the guards on globals of the trace being saved (or why they cannot be)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -430,6 +540,11 @@ class TraceCache:
         if self.state.branchless is not None and self.state.branchless.modules:
             self.status = "not used: transfuse rewrote a forward of the model before the trace (branchless.py)"
             return
+        if "_transfuse_class_of" in type(model).__dict__:
+            # generate()'s subclass (runtime/generation.py), made in this process: the saved guards
+            # could not name it, and an attempt would cost a whole trace of a decoder
+            self.status = "not used: a model with generate() (transfuse's subclass of its class is not savable)"
+            return
         digest, why = key(model, args, kwargs, self.extra)
         if digest is None:
             self.status = f"not used: {why}"
@@ -437,14 +552,18 @@ class TraceCache:
         path = cache_dir() / "traces" / f"{digest}.trace"
         refused = path.with_suffix(".refused")
         start = time.perf_counter()
+        stale = ""
         if path.exists():
             try:
                 self._ready(self._load(path, args, kwargs))
                 self.status = f"loaded {path.name} in {time.perf_counter() - start:.2f} s"
+                return
+            except StaleGlobals as exc:  # traced again below, and the file replaced
+                stale = f" (the saved one was stale: {exc})"
             except Exception as exc:  # a file from an interrupted writer, a torch that reads it otherwise
                 self.status = f"not used: the saved trace did not load ({_first_line(exc)}); traced as usual"
-            return
-        if refused.exists():
+                return
+        elif refused.exists():
             self.status = f"not used: {refused.read_text().strip()} (remembered in {refused.name})"
             return
         backend = self.state.backend
@@ -463,7 +582,7 @@ class TraceCache:
         took = time.perf_counter() - start
         try:
             self._save(fn, path)
-            self.status = f"traced in {took:.2f} s and saved as {path.name}"
+            self.status = f"traced in {took:.2f} s and saved as {path.name}{stale}"
         except Exception as exc:
             self.status = f"traced in {took:.2f} s; not saved ({_first_line(exc)})"
             _write(refused, f"its trace could not be saved ({_first_line(exc)})".encode())
@@ -477,6 +596,10 @@ class TraceCache:
 
         def guard_filter(entries):
             keep = module_filter(entries) if module_filter is not None else [True] * len(entries)
+            try:
+                self._checks = _global_checks(entries)
+            except StaleGlobals as exc:
+                self._checks = str(exc)
             return [k and _serializable_guard(e) for k, e in zip(keep, entries)]
 
         # Dynamo keeps every backend alive for the whole process: this one holds the model weakly
@@ -519,10 +642,12 @@ class TraceCache:
 
         env = fn._artifacts.runtime_env
         globals_now = fn.fn.__globals__
-        refs = {name: globals_now[name].__name__ for name in getattr(env, "external_refs", ())
-                if isinstance(globals_now.get(name), types.ModuleType)}
+        refs = _module_refs(getattr(env, "external_refs", ()), self._checks, globals_now)
+        if isinstance(self._checks, str):
+            raise ValueError(self._checks)
+        _check_globals(self._checks, self._globals(refs))  # what a load will check must hold here and now
         data = AOTCompiledFunction.serialize(fn, self._closure()).serialized_data
-        header = json.dumps({"refs": refs}).encode()
+        header = json.dumps({"refs": refs, "globals": self._checks}).encode()
         _write(path, len(header).to_bytes(4, "little") + header + data)
 
     def _load(self, path: Path, args: tuple, kwargs: dict):
@@ -538,8 +663,9 @@ class TraceCache:
 
         blob = path.read_bytes()
         size = int.from_bytes(blob[:4], "little")
-        refs = json.loads(blob[4:4 + size])["refs"]
-        f_globals = self._globals(refs)
+        header = json.loads(blob[4:4 + size])
+        f_globals = self._globals(header["refs"])
+        _check_globals(header["globals"], f_globals)
         state = AOTCompileUnpickler(self._closure(), io.BytesIO(blob[4 + size:])).load()
         state["runtime_env"] = dataclasses.replace(
             state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
