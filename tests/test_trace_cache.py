@@ -293,3 +293,16 @@ def test_a_module_that_dynamo_names_by_object_id_is_found_again():
     checks[0][2] = "builtins.int"
     with pytest.raises(trace_cache.StaleGlobals, match=r"is torch.Tensor, the saved trace saw builtins.int"):
         trace_cache._check_globals(checks, {alias: torch})
+
+
+def test_the_least_recently_used_traces_go_past_the_size_limit(tmp_path):
+    import time
+    for i, name in enumerate(["old", "used", "new"]):
+        (tmp_path / f"{name}.trace").write_bytes(b"x" * 100)
+        os.utime(tmp_path / f"{name}.trace", (time.time() - 100 + i, time.time() - 100 + i))
+    os.utime(tmp_path / "used.trace")  # loaded just now
+    (tmp_path / "broken.refused").write_bytes(b"why")
+    trace_cache._evict(tmp_path, limit=250)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.refused", "new.trace", "used.trace"]
+    trace_cache._evict(tmp_path, limit=250)  # within the limit: nothing more
+    assert len(list(tmp_path.glob("*.trace"))) == 2

@@ -32,7 +32,9 @@ Used for inference calls whose forward traces as one graph, with tensors (or Non
 constants) as inputs, of a model that nothing rewrote before the trace (branchless.py). A forward
 that cannot be traced whole, or whose guards cannot be saved, is remembered as such on disk (the next
 process does not try again) and runs through torch.compile; transfuse.report(model) says which.
-On by default; optimize(model, trace_cache=False) or TRANSFUSE_TRACE_CACHE=0 turns it off.
+On by default; optimize(model, trace_cache=False) or TRANSFUSE_TRACE_CACHE=0 turns it off. The
+traces live in $TRANSFUSE_CACHE_DIR/traces (default ~/.cache/transfuse), at most MAX_BYTES of them:
+the least recently saved or loaded go first.
 """
 
 from __future__ import annotations
@@ -649,6 +651,7 @@ class TraceCache:
         data = AOTCompiledFunction.serialize(fn, self._closure()).serialized_data
         header = json.dumps({"refs": refs, "globals": self._checks}).encode()
         _write(path, len(header).to_bytes(4, "little") + header + data)
+        _evict(path.parent)
 
     def _load(self, path: Path, args: tuple, kwargs: dict):
         """AOTCompiledFunction.deserialize (torch 2.11-2.13), but for the guards: they are built with
@@ -662,6 +665,8 @@ class TraceCache:
         from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
 
         blob = path.read_bytes()
+        with contextlib.suppress(OSError):  # the least recently loaded go first when the directory is full
+            os.utime(path)
         size = int.from_bytes(blob[:4], "little")
         header = json.loads(blob[4:4 + size])
         f_globals = self._globals(header["refs"])
@@ -728,6 +733,27 @@ def _forget_compiles(backend, marks: list[int]) -> None:
             slots[i] = None
     for name, mark in zip(_BACKEND_LISTS, marks):
         del getattr(backend, name)[mark:]
+
+
+MAX_BYTES = 1 << 30  # the traces kept, in all; the least recently saved or loaded are deleted past it
+
+
+def _evict(folder: Path, limit: int | None = None) -> None:
+    """Deletes the least recently used traces past `limit` bytes (on by default, the cache must not
+    grow without end: one trace of bert-base is a few MB). A trace deleted is traced and saved again
+    by the next process that needs it; a refusal file is a few bytes and stays."""
+    limit = MAX_BYTES if limit is None else limit
+    try:
+        files = [(f.stat().st_mtime, f.stat().st_size, f) for f in folder.glob("*.trace")]
+    except OSError:  # another process deleted one meanwhile: the next save looks again
+        return
+    total = sum(size for _, size, _ in files)
+    for _, size, f in sorted(files, key=lambda t: t[0]):
+        if total <= limit:
+            break
+        with contextlib.suppress(OSError):
+            f.unlink()
+        total -= size
 
 
 def _first_line(exc: BaseException) -> str:
