@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from transfuse.runtime.tuning_cache import cache_dir
 
@@ -259,13 +260,17 @@ def _savable_copy(gm: fx.GraphModule) -> fx.GraphModule:
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}
         for name in ("example_value", "val"):
-            value = new.meta.get(name)
-            if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None and value._is_view():
-                with value.fake_mode:
-                    new.meta[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                                         device=value.device)
+            if name in new.meta:  # a tuple of views too (GPT-2's split of its fused QKV)
+                new.meta[name] = pytree.tree_map(_own_storage, new.meta[name])
         env[node] = new
     return fx.GraphModule(gm, graph)
+
+
+def _own_storage(value):
+    if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None and value._is_view():
+        with value.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return value
 
 
 def _serializable_base():
